@@ -1,0 +1,404 @@
+"""Start N ranks, run one function on each, and come back with every rank's result - or a reason.
+
+Launch is environment-driven:
+- under `torchrun` (RANK and WORLD_SIZE set) this process *is* one rank: the function runs here,
+  and every rank's return value is gathered so that rank 0 can write results;
+- otherwise `launch` starts `world_size` local ranks itself (fork on CPU: well under a second per
+  rank; spawn when CUDA is used, since CUDA does not survive a fork).
+
+Guarantees, whatever the function does:
+- rendezvous through a TCPStore that the parent opens on port 0, so no fixed port and no clash
+  with another run on the same machine;
+- a deadline: ranks still alive when it passes have their Python stacks dumped (faulthandler on
+  SIGUSR1) and are killed; the result says "hung" and names them;
+- the process-group timeout is shorter than the deadline, so a collective that waits on a dead
+  peer raises inside the rank (and its traceback reaches the user) before the deadline kills it;
+- a rank that raises: its rank number and traceback come back; the surviving ranks get a short
+  grace period, then are dumped and killed;
+- no process outlives the call: success, failure, hang, Ctrl-C or SIGTERM. Children die with the
+  parent too (PR_SET_PDEATHSIG), so even a SIGKILLed parent leaves no orphan.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import datetime
+import faulthandler
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+# After one rank fails, the others get this long to finish or fail on their own (their collective
+# with the dead rank errors out in gloo quickly) before their stacks are dumped and they are killed.
+FAILURE_GRACE_S = 5.0
+# Time a rank gets to write its stacks after SIGUSR1 before SIGKILL.
+STACK_DUMP_WAIT_S = 1.0
+# The process-group timeout is this fraction of the deadline: collectives time out inside the
+# ranks (with a Python traceback naming the collective) before the parent's deadline fires.
+PG_TIMEOUT_FRACTION = 0.75
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RankContext:
+    """What a rank knows about itself; passed as the first argument of the launched function."""
+
+    rank: int
+    """This process's rank in the default process group (0 .. world_size-1)."""
+    world_size: int
+    """Number of ranks in the default process group."""
+    local_rank: int
+    """Rank on this node (selects the GPU when the backend is NCCL)."""
+    backend: str
+    """The torch.distributed backend in use: "gloo" or "nccl"."""
+    device: str
+    """"cpu" for gloo, "cuda:<local_rank>" for NCCL."""
+    under_torchrun: bool = False
+    """True when an external launcher (torchrun, deepspeed) started this process."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+@dataclasses.dataclass(kw_only=True)
+class LaunchResult:
+    """What came back from every rank."""
+
+    status: str
+    """"ok", "failed" (a rank raised or died), "hung" (deadline passed) or "interrupted"."""
+    world_size: int
+    backend: str
+    returns: list[Any]
+    """Per-rank return values (None for a rank that did not return)."""
+    errors: dict[int, str]
+    """rank -> traceback text, for ranks that raised or died."""
+    stacks: dict[int, str]
+    """rank -> Python stacks dumped before the rank was killed (hung or aborted ranks)."""
+    stuck_ranks: list[int]
+    elapsed_s: float
+    label: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def describe(self) -> str:
+        """A human explanation of a non-ok result: which ranks, what they said, where they were."""
+        if self.ok:
+            return f"{self.label or 'launch'}: ok on {self.world_size} rank(s)"
+        lines = [f"{self.label or 'launch'}: {self.status} on {self.world_size} rank(s) after {self.elapsed_s:.1f} s"]
+        if self.stuck_ranks:
+            lines.append(f"stuck ranks: {self.stuck_ranks}")
+        for rank, text in sorted(self.errors.items()):
+            lines.append(f"--- rank {rank} raised:\n{text.rstrip()}")
+        for rank, text in sorted(self.stacks.items()):
+            lines.append(f"--- rank {rank} stacks when killed:\n{text.rstrip()}")
+        return "\n".join(lines)
+
+
+class LaunchError(RuntimeError):
+    """Raised by `LaunchResult.check()`; carries the result for callers that want details."""
+
+    def __init__(self, result: LaunchResult) -> None:
+        self.result = result
+        super().__init__(result.describe())
+
+
+def check(result: LaunchResult) -> LaunchResult:
+    if not result.ok:
+        raise LaunchError(result)
+    return result
+
+
+def under_torchrun() -> bool:
+    """True when RANK and WORLD_SIZE say an external launcher made this process one rank."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def resolve_backend(backend: str, world_size: int) -> str:
+    """"auto" -> NCCL when CUDA has a GPU per local rank and NCCL is built in, else gloo."""
+    if backend != "auto":
+        return backend
+    if (
+        torch.cuda.is_available()
+        and torch.cuda.device_count() >= world_size
+        and dist.is_nccl_available()
+    ):
+        return "nccl"
+    return "gloo"
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    args: tuple = (),
+    backend: str = "auto",
+    timeout_s: float = 120.0,
+    label: str = "",
+    env: dict[str, str] | None = None,
+    start_method: str | None = None,
+) -> LaunchResult:
+    """Run `fn(ctx: RankContext, *args)` on `world_size` ranks with a process group initialised.
+
+    Never raises for a rank's failure or a hang: look at `result.status` (or call `check`).
+    Ctrl-C / SIGTERM kill every rank and then propagate as KeyboardInterrupt.
+    """
+    if under_torchrun():
+        return _run_as_torchrun_rank(fn, args, backend, timeout_s, label)
+    backend = resolve_backend(backend, world_size)
+    method = start_method or ("spawn" if backend == "nccl" else "fork")
+    return _launch_local(fn, args, world_size, backend, timeout_s, label, env or {}, method)
+
+
+# --------------------------------------------------------------------------- local ranks
+
+
+def _launch_local(fn, args, world_size, backend, timeout_s, label, env, method) -> LaunchResult:
+    start = time.monotonic()
+    pg_timeout_s = max(1.0, timeout_s * PG_TIMEOUT_FRACTION)
+    ctx = mp.get_context(method)
+    workdir = Path(tempfile.mkdtemp(prefix="moebench-launch-"))
+    procs: list[mp.process.BaseProcess] = []
+    status = "ok"
+    stuck: list[int] = []
+    previous_term = _install_sigterm_as_interrupt()
+    try:
+        for rank in range(world_size):
+            p = ctx.Process(
+                target=_child_main,
+                args=(fn, args, rank, world_size, backend, pg_timeout_s, str(workdir), env),
+                name=f"moebench-rank{rank}",
+                daemon=False,
+            )
+            p.start()
+            procs.append(p)
+        deadline = start + timeout_s
+        failed_at: float | None = None
+        while True:
+            alive = [p for p in procs if p.exitcode is None]
+            if not alive:
+                break
+            now = time.monotonic()
+            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+                failed_at = now
+            limit = deadline if failed_at is None else min(deadline, failed_at + FAILURE_GRACE_S)
+            if now >= limit:
+                stuck = [procs.index(p) for p in alive]
+                status = "hung" if failed_at is None else "failed"
+                _dump_and_kill(alive)
+                break
+            mp.connection.wait([p.sentinel for p in alive], timeout=min(0.5, limit - now))
+    except KeyboardInterrupt:
+        status = "interrupted"
+        _kill_all(procs)
+        raise
+    finally:
+        _kill_all(procs)
+        signal.signal(signal.SIGTERM, previous_term)
+    returns: list[Any] = [None] * world_size
+    errors: dict[int, str] = {}
+    stacks: dict[int, str] = {}
+    for rank, p in enumerate(procs):
+        payload = _read_payload(workdir, rank)
+        if payload is not None and payload["ok"]:
+            returns[rank] = payload["value"]
+        elif payload is not None:
+            errors[rank] = payload["error"]
+        elif rank not in stuck:
+            errors[rank] = f"rank {rank} died without a result (exit code {p.exitcode})"
+        stack_file = workdir / f"stacks{rank}.txt"
+        if rank in stuck and stack_file.exists():
+            stacks[rank] = stack_file.read_text(errors="replace") or "(no stack written)"
+    if status == "ok" and errors:
+        status = "failed"
+    _rmtree(workdir)
+    return LaunchResult(
+        status=status, world_size=world_size, backend=backend, returns=returns, errors=errors,
+        stacks=stacks, stuck_ranks=stuck, elapsed_s=time.monotonic() - start, label=label,
+    )
+
+
+def _child_main(fn, args, rank, world_size, backend, pg_timeout_s, workdir, env) -> None:
+    _die_with_parent()
+    # Only the parent handles Ctrl-C; it kills the ranks. Ranks printing KeyboardInterrupt
+    # tracebacks of their own would bury the one line that matters.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.environ.update(env)
+    stack_file = open(Path(workdir) / f"stacks{rank}.txt", "w")
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    # Oversubscribed ranks (16 on 2 cores) crawl when each also spawns a full intra-op pool.
+    torch.set_num_threads(1)
+    device = "cpu"
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            device = f"cuda:{rank}"
+        timeout = datetime.timedelta(seconds=pg_timeout_s)
+        store = _rendezvous(rank, Path(workdir), timeout)
+        os.environ.update(_rank_env(rank, world_size, store.port))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        ctx = RankContext(rank=rank, world_size=world_size, local_rank=rank, backend=backend, device=device)
+        value = fn(ctx, *args)
+        payload = {"ok": True, "value": value}
+    except BaseException:  # noqa: BLE001 - everything a rank raises must reach the user
+        payload = {"ok": False, "error": traceback.format_exc()}
+    _write_payload(workdir, rank, payload)
+    try:
+        if dist.is_initialized() and payload["ok"]:
+            dist.destroy_process_group()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Skip interpreter teardown: gloo / NCCL destructors can block on dead peers.
+        os._exit(0 if payload["ok"] else 1)
+
+
+def _rendezvous(rank: int, workdir: Path, timeout: datetime.timedelta) -> dist.TCPStore:
+    """Rank 0 opens the store on a port the OS picks and publishes it in the launch's private
+    folder; the others wait for that file. (A store opened in the parent before fork would leave
+    its server thread's sockets shared with every child.)"""
+    port_file = workdir / "port"
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, None, True, timeout, wait_for_workers=False)
+        tmp = workdir / "port.tmp"
+        tmp.write_text(str(store.port))
+        os.replace(tmp, port_file)
+        return store
+    end = time.monotonic() + timeout.total_seconds()
+    while not port_file.exists():
+        if time.monotonic() > end:
+            raise TimeoutError(f"rank 0 did not publish the rendezvous port within {timeout.total_seconds():.0f} s")
+        time.sleep(0.01)
+    return dist.TCPStore("127.0.0.1", int(port_file.read_text()), None, False, timeout)
+
+
+def _rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    # Code inside a rank (DeepSpeed, user code) may read the usual launcher variables.
+    return {
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "MOEBENCH_LOCAL_LAUNCH": "1",
+    }
+
+
+def _write_payload(workdir: str, rank: int, payload: dict) -> None:
+    path = Path(workdir) / f"rank{rank}.pkl"
+    tmp = path.with_suffix(".tmp")
+    try:
+        data = pickle.dumps(payload)
+    except Exception:  # noqa: BLE001 - an unpicklable return value is the function's bug
+        data = pickle.dumps({"ok": False, "error": f"rank {rank} returned an unpicklable value:\n{traceback.format_exc()}"})
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _read_payload(workdir: Path, rank: int) -> dict | None:
+    path = workdir / f"rank{rank}.pkl"
+    if not path.exists():
+        return None
+    return pickle.loads(path.read_bytes())
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux only)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def _dump_and_kill(procs: list) -> None:
+    for p in procs:
+        _signal(p, signal.SIGUSR1)
+    end = time.monotonic() + STACK_DUMP_WAIT_S
+    while time.monotonic() < end and any(p.exitcode is None for p in procs):
+        time.sleep(0.05)
+    _kill_all(procs)
+
+
+def _kill_all(procs: list) -> None:
+    for p in procs:
+        if p.exitcode is None:
+            _signal(p, signal.SIGKILL)
+    for p in procs:
+        p.join(timeout=5)
+
+
+def _signal(p, sig) -> None:
+    try:
+        if p.pid is not None:
+            os.kill(p.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _install_sigterm_as_interrupt():
+    """SIGTERM to the parent behaves like Ctrl-C: kill every rank, then leave."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave SIGTERM alone
+        return signal.getsignal(signal.SIGTERM)
+
+
+def _rmtree(path: Path) -> None:
+    for child in path.iterdir():
+        child.unlink(missing_ok=True)
+    path.rmdir()
+
+
+# --------------------------------------------------------------------------- torchrun
+
+
+def _run_as_torchrun_rank(fn, args, backend, timeout_s, label) -> LaunchResult:
+    """This process is one rank of an external launch: run here, gather returns to every rank."""
+    start = time.monotonic()
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    backend = resolve_backend(backend, local_world)
+    if not dist.is_initialized():
+        pg_timeout = datetime.timedelta(seconds=max(1.0, timeout_s * PG_TIMEOUT_FRACTION))
+        if backend == "nccl":
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(backend, init_method="env://", timeout=pg_timeout)
+    device = f"cuda:{local_rank}" if backend == "nccl" else "cpu"
+    ctx = RankContext(rank=rank, world_size=world_size, local_rank=local_rank, backend=backend,
+                      device=device, under_torchrun=True)
+    # A hang inside fn: dump every thread's stack and exit, so torchrun tears the job down.
+    faulthandler.dump_traceback_later(timeout_s, exit=True)
+    try:
+        try:
+            payload = {"ok": True, "value": fn(ctx, *args)}
+        except Exception:  # noqa: BLE001
+            payload = {"ok": False, "error": traceback.format_exc()}
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, payload)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    errors = {r: p["error"] for r, p in enumerate(gathered) if not p["ok"]}
+    returns = [p["value"] if p["ok"] else None for p in gathered]
+    return LaunchResult(
+        status="failed" if errors else "ok", world_size=world_size, backend=backend, returns=returns,
+        errors=errors, stacks={}, stuck_ranks=[], elapsed_s=time.monotonic() - start, label=label,
+    )

@@ -1,0 +1,22 @@
+"""The one error class meant for users.
+
+Core code raises `UserError` for bad input (a flag out of range, a preset that does not exist,
+a backend that cannot run here). The CLI catches it once, prints its single line and exits 2.
+Anything else is a bug or an environment failure and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """Bad input from the user: one line naming the flag and the fix; exit code 2."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, *, flag: str | None = None) -> None:
+        self.flag = flag
+        super().__init__(f"{flag}: {message}" if flag else message)
+
+
+class ConfigError(UserError):
+    """A configuration value is invalid (raised from config `__post_init__`)."""

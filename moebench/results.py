@@ -1,0 +1,135 @@
+"""The one results writer: `results/<kind>/<run-id>/`, atomic JSON, a line-flushed JSONL log.
+
+Layout of a run folder (every command that records anything uses this and nothing else):
+  config.json    the resolved configuration (with the backend that actually ran)
+  env.json       env-check's summary of the machine
+  params.json    parameter counts by category
+  metrics.jsonl  one JSON object per line, flushed as it is written (a crash keeps every line)
+  summary.json   status ("running" -> "ok" / "failed" / "interrupted"), headline numbers
+  *.png          plots
+
+Every JSON file is written to a temporary name in the same folder and renamed into place, so a
+reader never sees half a file. The folder is created only when a run really starts: commands
+validate their input first, so bad input leaves nothing under results/.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import secrets
+from pathlib import Path
+from typing import Any, Iterable
+
+RESULTS_ENV = "MOEBENCH_RESULTS"
+"""Environment variable that moves the results root (default: ./results)."""
+
+STATUS_RUNNING = "running"
+STATUS_OK = "ok"
+STATUS_FAILED = "failed"
+STATUS_INTERRUPTED = "interrupted"
+
+
+def results_root(root: str | os.PathLike | None = None) -> Path:
+    return Path(root if root is not None else os.environ.get(RESULTS_ENV, "results"))
+
+
+def new_run_id(name: str = "") -> str:
+    """Sortable, unique even for two runs started in the same second: 20261122-015355-quick-3f9a."""
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    parts = [stamp] + ([name] if name else []) + [secrets.token_hex(2)]
+    return "-".join(parts)
+
+
+def to_jsonable(value: Any) -> Any:
+    """Plain JSON types only; NaN / Inf become strings so the files stay strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, dict):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    if hasattr(value, "tolist"):  # torch / numpy scalars and arrays
+        return to_jsonable(value.tolist())
+    if hasattr(value, "__dataclass_fields__"):
+        import dataclasses
+
+        return to_jsonable(dataclasses.asdict(value))
+    return value
+
+
+def write_json_atomic(path: str | os.PathLike, data: Any) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(to_jsonable(data), f, indent=2, sort_keys=False, allow_nan=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    with open(path) as f:
+        return json.load(f)
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class RunDir:
+    """One run's folder. Create it only after the input has been validated."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._metrics = None
+
+    @classmethod
+    def create(cls, kind: str, name: str = "", root: str | os.PathLike | None = None,
+               run_id: str | None = None) -> "RunDir":
+        path = results_root(root) / kind / (run_id or new_run_id(name))
+        path.mkdir(parents=True, exist_ok=False)
+        return cls(path)
+
+    @property
+    def run_id(self) -> str:
+        return self.path.name
+
+    def write_json(self, name: str, data: Any) -> Path:
+        return write_json_atomic(self.path / name, data)
+
+    def log_metrics(self, record: dict) -> None:
+        """Append one line to metrics.jsonl and flush it to the OS at once."""
+        if self._metrics is None:
+            self._metrics = open(self.path / "metrics.jsonl", "a", buffering=1)
+        self._metrics.write(json.dumps(to_jsonable(record), allow_nan=False) + "\n")
+        self._metrics.flush()
+
+    def close(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+
+    def start(self, summary: dict | None = None) -> None:
+        self.write_json("summary.json", {"status": STATUS_RUNNING, **(summary or {})})
+
+    def finish(self, status: str, summary: dict) -> Path:
+        """Write the final summary.json; `status` is ok / failed / interrupted."""
+        self.close()
+        return self.write_json("summary.json", {"status": status, **summary})
+
+
+def latest_runs(kind: str, root: str | os.PathLike | None = None) -> Iterable[Path]:
+    """Run folders of one kind, newest first (run ids sort by time)."""
+    base = results_root(root) / kind
+    if not base.is_dir():
+        return []
+    return sorted((p for p in base.iterdir() if p.is_dir()), reverse=True)
