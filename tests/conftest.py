@@ -1,0 +1,27 @@
+"""Shared fixtures: every test writes results into its own tmp folder, never the repo's results/."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _private_results(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEBENCH_RESULTS", str(tmp_path / "results"))
+    # A test process must never look like one rank of a torchrun job.
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    yield
+
+
+@pytest.fixture
+def no_leftover_children():
+    """Fails the test if it leaves any child process of this pytest process behind."""
+    before = {p.pid for p in psutil.Process(os.getpid()).children(recursive=True)}
+    yield
+    left = [p for p in psutil.Process(os.getpid()).children(recursive=True) if p.pid not in before]
+    alive = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"processes left behind: {[(p.pid, p.name()) for p in alive]}"

@@ -1,0 +1,140 @@
+"""The launcher: results from every rank, failures with rank + traceback, hangs bounded, no orphans."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from moebench.distributed.launch import LaunchError, check, launch, resolve_backend
+
+pytestmark = pytest.mark.multirank
+
+
+def _sum_ranks(ctx, offset):
+    t = torch.tensor([float(ctx.rank + offset)])
+    dist.all_reduce(t)
+    return {"rank": ctx.rank, "sum": t.item(), "world": dist.get_world_size(), "env_rank": os.environ["RANK"]}
+
+
+def _raise_on_rank_one(ctx):
+    if ctx.rank == 1:
+        raise ValueError("rank one is broken")
+    dist.barrier()
+
+
+def _hang_on_rank_zero(ctx):
+    if ctx.rank == 0:
+        time.sleep(600)
+    dist.barrier()
+
+
+def _all_hang(ctx):
+    time.sleep(600)
+
+
+def test_every_rank_returns_in_rank_order(no_leftover_children):
+    result = launch(_sum_ranks, 4, args=(10,), timeout_s=60)
+    assert result.status == "ok", result.describe()
+    assert [r["rank"] for r in result.returns] == [0, 1, 2, 3]
+    assert all(r["sum"] == 10 * 4 + 6 for r in result.returns)
+    assert all(r["world"] == 4 and r["env_rank"] == str(r["rank"]) for r in result.returns)
+    assert result.backend == "gloo"
+
+
+def test_sixteen_ranks_oversubscribed():
+    result = launch(_sum_ranks, 16, args=(0,), timeout_s=90)
+    assert result.ok, result.describe()
+    assert result.returns[15]["sum"] == sum(range(16))
+
+
+def test_a_rank_that_raises_reports_rank_and_traceback(no_leftover_children):
+    start = time.monotonic()
+    result = launch(_raise_on_rank_one, 3, timeout_s=60)
+    assert result.status == "failed"
+    assert "ValueError: rank one is broken" in result.errors[1]
+    assert "_raise_on_rank_one" in result.errors[1]
+    assert time.monotonic() - start < 30
+    with pytest.raises(LaunchError, match="rank 1 raised"):
+        check(result)
+
+
+def test_a_hanging_rank_is_killed_within_the_deadline_with_stacks(no_leftover_children):
+    start = time.monotonic()
+    result = launch(_all_hang, 2, timeout_s=4)
+    elapsed = time.monotonic() - start
+    assert result.status == "hung"
+    assert result.stuck_ranks == [0, 1]
+    assert elapsed < 4 + 5, elapsed
+    # faulthandler's dump names the function each rank was stuck in
+    assert all("_all_hang" in result.stacks[r] for r in (0, 1)), result.stacks
+
+
+def test_one_stuck_rank_is_named_while_its_peers_time_out(no_leftover_children):
+    result = launch(_hang_on_rank_zero, 3, timeout_s=6)
+    assert not result.ok
+    assert 0 in result.stuck_ranks
+    assert "_hang_on_rank_zero" in result.stacks[0]
+    assert set(result.errors) == {1, 2}  # their barrier timed out inside gloo, with a traceback
+
+
+def test_auto_backend_is_gloo_without_gpus():
+    if torch.cuda.is_available():
+        pytest.skip("machine has CUDA")
+    assert resolve_backend("auto", 4) == "gloo"
+
+
+def test_sigint_and_sigterm_kill_every_rank(tmp_path):
+    script = tmp_path / "hold.py"
+    script.write_text(textwrap.dedent("""
+        import sys, time
+        from moebench.distributed.launch import launch
+        def hold(ctx):
+            time.sleep(600)
+        print("launching", flush=True)
+        try:
+            launch(hold, 3, timeout_s=300)
+        except KeyboardInterrupt:
+            print("parent interrupted", flush=True)
+            sys.exit(130)
+    """))
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "launching"
+        parent = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 30
+        while len(parent.children()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        children = parent.children()
+        assert len(children) == 3
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 130 and "parent interrupted" in out
+        gone, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, f"{sig!r} left ranks alive"
+
+
+def test_sigkilled_parent_leaves_no_orphans(tmp_path):
+    script = tmp_path / "hold.py"
+    script.write_text("import time\nfrom moebench.distributed.launch import launch\n"
+                      "def hold(ctx):\n    time.sleep(600)\n"
+                      "print('launching', flush=True)\nlaunch(hold, 2, timeout_s=300)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "launching"
+    parent = psutil.Process(proc.pid)
+    deadline = time.monotonic() + 30
+    while len(parent.children()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    children = parent.children()
+    proc.kill()
+    proc.wait(timeout=10)
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, "ranks outlived a SIGKILLed parent"

@@ -1,0 +1,40 @@
+"""The results writer: atomic JSON, strict JSON only, line-flushed metrics, status lifecycle."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moebench import results
+
+
+def test_run_dir_lifecycle(tmp_path):
+    run = results.RunDir.create("demo", "quick", root=tmp_path)
+    assert run.path.parent == tmp_path / "demo" and "quick" in run.run_id
+    run.start({"kind": "demo"})
+    assert results.read_json(run.path / "summary.json")["status"] == "running"
+    run.log_metrics({"step": 1, "loss": 1.5})
+    # flushed at once: a reader (or a crash) sees the line before the run ends
+    assert results.read_jsonl(run.path / "metrics.jsonl") == [{"step": 1, "loss": 1.5}]
+    run.finish(results.STATUS_OK, {"loss": 1.0})
+    assert results.read_json(run.path / "summary.json") == {"status": "ok", "loss": 1.0}
+    assert [p.name for p in run.path.iterdir() if p.name.startswith(".")] == []  # no temp files left
+
+
+def test_two_runs_in_the_same_second_get_distinct_folders(tmp_path):
+    a = results.RunDir.create("demo", "x", root=tmp_path)
+    b = results.RunDir.create("demo", "x", root=tmp_path)
+    assert a.path != b.path
+
+
+def test_non_finite_numbers_stay_strict_json(tmp_path):
+    path = results.write_json_atomic(tmp_path / "a.json", {"nan": float("nan"), "inf": [float("inf")]})
+    assert json.loads(path.read_text()) == {"nan": "nan", "inf": ["inf"]}
+
+
+def test_a_failed_write_leaves_the_old_file_intact(tmp_path):
+    path = results.write_json_atomic(tmp_path / "a.json", {"v": 1})
+    with pytest.raises(TypeError):
+        results.write_json_atomic(path, {"v": object()})
+    assert results.read_json(path) == {"v": 1}
