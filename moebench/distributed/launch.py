@@ -21,6 +21,7 @@ Guarantees, whatever the function does:
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import dataclasses
 import datetime
@@ -370,6 +371,11 @@ def _rmtree(path: Path) -> None:
 # --------------------------------------------------------------------------- torchrun
 
 
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _run_as_torchrun_rank(fn, args, backend, timeout_s, label) -> LaunchResult:
     """This process is one rank of an external launch: run here, gather returns to every rank."""
     start = time.monotonic()
@@ -382,6 +388,8 @@ def _run_as_torchrun_rank(fn, args, backend, timeout_s, label) -> LaunchResult:
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
         dist.init_process_group(backend, init_method="env://", timeout=pg_timeout)
+        # Tear the group down before interpreter exit: a live gloo group aborts in its destructor.
+        atexit.register(_destroy_process_group)
     device = f"cuda:{local_rank}" if backend == "nccl" else "cpu"
     ctx = RankContext(rank=rank, world_size=world_size, local_rank=local_rank, backend=backend,
                       device=device, under_torchrun=True)
