@@ -53,7 +53,8 @@ def train_loop(step_fn: StepFn, spec: LoopSpec, *, writer: results.RunDir | None
     epoch_avg: list[float] = []
     start = time.perf_counter()
     progress = _progress(spec) if (show_progress and writer is not None) else None
-    task = progress.add_task(spec.label, total=spec.epochs * spec.steps_per_epoch) if progress else None
+    task = (progress.add_task(spec.label, total=spec.epochs * spec.steps_per_epoch, loss=float("nan"), aux=0.0, tps=0.0)
+            if progress else None)
     try:
         if progress:
             progress.start()

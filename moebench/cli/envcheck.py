@@ -1,11 +1,66 @@
-"""`moebench env-check` (placeholder until issue 2 lands)."""
+"""`moebench env-check`: probe the environment, print a table (or JSON, or a bug-report block), save the JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
 
 import typer
 
+from moebench.errors import UserError
+
 app = typer.Typer(help="Probe torch / CUDA / NCCL / gloo / DeepSpeed / fastmoe and say how to fix what is wrong.")
+
+MAX_PROBE_TIMEOUT_S = 3600.0
+REPORT_FILE = "envcheck.json"
 
 
 @app.callback(invoke_without_command=True)
-def env_check() -> None:
-    """Probe the environment."""
-    raise typer.Exit(1)
+def env_check(
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document (schema: docs/env-check.md) instead of the table."),
+    no_probe: bool = typer.Option(False, "--no-probe", help="Skip the live collective probe (2 local ranks)."),
+    probe_timeout: float = typer.Option(30.0, "--probe-timeout", metavar="SECONDS",
+                                        help="Deadline of the collective probe; a probe still running then is reported as hung."),
+    strict: bool = typer.Option(False, "--strict", help="Exit 1 on warnings too, not only on failures."),
+    report: bool = typer.Option(False, "--report", help="Print a plain block to paste into a bug report instead of the table."),
+    results_dir: Optional[Path] = typer.Option(None, "--results-dir", metavar="DIR",
+                                               help="Results root (default: $MOEBENCH_RESULTS or ./results); saved under <DIR>/env/<run-id>/."),
+) -> None:
+    """Probe the environment: one row per item with status, what was found, what is required, and a fix.
+
+    Exit code 0 when nothing failed, 1 when something failed (--strict: or warned), 2 on bad flags.
+    """
+    if not 0 < probe_timeout <= MAX_PROBE_TIMEOUT_S:
+        raise UserError(f"must be in (0, {MAX_PROBE_TIMEOUT_S:.0f}] seconds, got {probe_timeout:g}", flag="--probe-timeout")
+    if as_json and report:
+        raise UserError("cannot be combined with --json (pick one output)", flag="--report")
+    from moebench import results
+
+    root = results.results_root(results_dir)
+    if root.exists() and not root.is_dir():
+        raise UserError(f"{root} exists and is not a folder", flag="--results-dir")
+
+    from moebench.envcheck import run_all, render
+
+    outcome = run_all(probe=not no_probe, probe_timeout_s=probe_timeout)
+    run = results.RunDir.create("env", root=root)
+    outcome.results_path = str(run.path / REPORT_FILE)
+    document = outcome.to_dict()
+    run.write_json(REPORT_FILE, document)
+    code = outcome.exit_code(strict)
+    run.finish(results.STATUS_OK if outcome.status != "fail" else results.STATUS_FAILED,
+               {"counts": document["counts"], "elapsed_s": document["elapsed_s"], "exit_code": code,
+                "strict": strict, "report": REPORT_FILE})
+
+    if as_json:
+        typer.echo(json.dumps(results.to_jsonable(document), indent=2))
+    elif report:
+        typer.echo(render.bug_report_block(outcome))
+    else:
+        from rich.console import Console
+
+        console = Console(highlight=False, width=None if Console().is_terminal else 160)
+        render.print_report(outcome, console)
+        console.print(f"saved {outcome.results_path}", style="dim")
+    raise typer.Exit(code)

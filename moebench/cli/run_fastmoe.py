@@ -1,8 +1,68 @@
-"""`moebench run fastmoe` (placeholder until its issue lands)."""
+"""`moebench run fastmoe`: flags -> FastMoERunConfig -> fastmoe_run.run -> tables (or JSON)."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
 
 import typer
 
+from moebench import fastmoe_run, published, report, results
+from moebench.errors import UserError
 
-def run_fastmoe() -> None:
-    """Placeholder."""
-    raise typer.Exit(1)
+
+def run_fastmoe(
+    preset: str = typer.Option("quick", "--preset", help="experiments/fastmoe/<preset>.json: quick (seconds) or chapter (the chapter's 273 M model)."),
+    backend: Optional[str] = typer.Option(None, "--backend", help="auto | fmoe | reference (auto: real fmoe where usable, else moebench's port)."),
+    layers: Optional[int] = typer.Option(None, "--layers", help="Transformer blocks."),
+    heads: Optional[int] = typer.Option(None, "--heads", help="Attention heads."),
+    d_model: Optional[int] = typer.Option(None, "--d-model", help="Model width."),
+    d_hidden: Optional[int] = typer.Option(None, "--d-hidden", help="Hidden width of each expert."),
+    experts: Optional[int] = typer.Option(None, "--experts", help="Experts per MoE layer (all ranks)."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Experts per token."),
+    gate: Optional[str] = typer.Option(None, "--gate", help="naive | gshard | switch | noisy."),
+    aux_loss_coef: Optional[float] = typer.Option(None, "--aux-loss-coef", help="Weight of the gate's balance loss."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Optimiser steps."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Sequences per step (global batch)."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence."),
+    train_batches: Optional[int] = typer.Option(None, "--train-batches", help="Distinct random training batches, cycled."),
+    lr: Optional[float] = typer.Option(None, "--lr", help="Adam learning rate."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed of weights and data."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda | auto."),
+    world_size: Optional[int] = typer.Option(None, "--world-size", help="Expert-parallel ranks (local, gloo on CPU)."),
+    results_dir: Optional[str] = typer.Option(None, "--results-dir", help="Results root (default $MOEBENCH_RESULTS or ./results)."),
+    timeout: float = typer.Option(24 * 3600.0, "--timeout", help="Seconds before a multi-rank run is declared hung."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON only."),
+) -> None:
+    """Train the fastmoe Transformer-MoE on random data and compare with the chapter."""
+    if not timeout > 0:
+        raise UserError(f"must be positive, got {timeout}", flag="--timeout")
+    config = fastmoe_run.resolve_config(preset, dict(
+        backend=backend, layers=layers, heads=heads, d_model=d_model, d_hidden=d_hidden,
+        experts=experts, top_k=top_k, gate=gate, aux_loss_coef=aux_loss_coef, steps=steps,
+        batch_size=batch_size, seq_len=seq_len, train_batches=train_batches, lr=lr, seed=seed,
+        device=device, world_size=world_size))
+    if not as_json:
+        typer.echo(f"backend: {config.backend}  (device {config.device}, {config.world_size} rank(s), preset {config.preset})")
+    outcome = fastmoe_run.run(config, results_root=results_dir, timeout_s=timeout, show_progress=not as_json)
+    summary = outcome.summary
+    if outcome.run_path is None:  # a non-writing torchrun rank
+        return
+    if as_json:
+        typer.echo(json.dumps(results.to_jsonable({**summary, "run_path": str(outcome.run_path)})))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"parameters ({config.backend})")
+    table.add_column("category")
+    table.add_column("parameters", justify="right")
+    for name, count in summary["params"].items():
+        table.add_row(name, f"{count:,}  ({count / 1e6:,.3f} M)")
+    console.print(table)
+    rows = report.compare(summary, published.FASTMOE)
+    console.print(report.comparison_table(rows, "measured vs chapter 6 (fastmoe)"))
+    console.print(f"eval loss {summary['eval_loss']:.4f}  steps {summary['steps']}  "
+                  f"wall {summary['wall_time_s']:.1f} s  {summary['tokens_per_s']:,.0f} tokens/s")
+    console.print(f"results: {outcome.run_path}")

@@ -1,0 +1,182 @@
+"""DeepSpeed's MoE layer (`deepspeed.moe.layer.MoE`) as the shared Transformer block's MLP.
+
+The adapter keeps DeepSpeed's layer intact (TopKGate, capacity, noisy gating, residual expert,
+expert parallelism) and only:
+- returns (y, l_aux) as the block's MLP contract asks (DeepSpeed returns (y, l_aux, exp_counts));
+- records what the gate decided on every forward, read from the gate's own outputs through a
+  forward hook: `exp_counts` (demand per expert, BEFORE capacity drops), the capacity of each
+  expert's buffer, the routes kept per expert and the routes dropped at capacity (DeepSpeed marks
+  an evicted route with expert index -1 in the sparse routing it hands to the dispatcher);
+- gives every global expert its own seeded initial weights. DeepSpeed deep-copies ONE expert
+  module into every local slot, so out of the box all experts start identical, and expert g's
+  weights would depend on which rank holds it. Seeding by (seed, layer, global expert index)
+  makes the model the same for every ep_size, so runs with ep_size 1 and 2 are comparable.
+
+Parameter categories (for `count_params`): experts, gate (wg), residual (the residual MLP),
+coefficient (the residual mixing Linear).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import nn
+
+NOISY_GATE_POLICIES = ("none", "Jitter", "RSample")
+"""--noisy-gate-policy values; "none" is passed to DeepSpeed as None."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoELayerSpec:
+    """Everything needed to build one DeepSpeed MoE layer (one Transformer block's MLP)."""
+
+    d_model: int
+    """Hidden size: the layer's input and output width."""
+    d_hidden: int
+    """Hidden width of each expert's two-layer MLP."""
+    experts: int
+    """Experts in this layer, over all expert-parallel ranks."""
+    ep_size: int = 1
+    """Expert-parallel ranks; each holds experts // ep_size of them (num_local_experts)."""
+    top_k: int = 1
+    """Experts per token (DeepSpeed's k)."""
+    capacity_factor: float = 1.0
+    """Training capacity factor: each expert takes ceil(tokens / experts * factor * k) tokens."""
+    eval_capacity_factor: float = 1.0
+    """The same, in eval mode."""
+    min_capacity: int = 4
+    """Lower bound on every expert's capacity."""
+    noisy_gate_policy: str = "none"
+    """none | Jitter (multiplicative input noise) | RSample (Gumbel noise on the logits, k=1 only)."""
+    use_residual: bool = False
+    """Residual MoE: a dense MLP beside the experts, mixed by a learned 2-way coefficient."""
+    drop_tokens: bool = True
+    """Drop tokens beyond capacity (False: capacity grows to the busiest expert's demand)."""
+    use_rts: bool = True
+    """Random Token Selection when dropping (k=1)."""
+    top2_2nd_expert_sampling: bool = True
+    """Gumbel sampling of the second expert (k=2)."""
+    layer_index: int = 0
+    """Position in the stack (seeds this layer's experts)."""
+    seed: int = 0
+    """Base seed of the per-expert initial weights."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class RoutingRecord:
+    """What the gate decided in one forward on this rank (detached tensors)."""
+
+    exp_counts: torch.Tensor
+    """Routes each expert was asked to take, before capacity (int64, [experts])."""
+    kept_per_expert: torch.Tensor
+    """Routes each expert actually took (int64, [experts])."""
+    capacity: int
+    """Slots in every expert's buffer (the same for all experts of the layer)."""
+    routes: int
+    """Token-to-expert routes requested: tokens x k."""
+    dropped: int
+    """Routes evicted at capacity."""
+
+
+def make_expert(d_model: int, d_hidden: int) -> nn.Module:
+    """One expert: Linear -> GELU -> Linear (also the residual MLP's shape)."""
+    return nn.Sequential(nn.Linear(d_model, d_hidden), nn.GELU(), nn.Linear(d_hidden, d_model))
+
+
+def _reset_linear(linear: nn.Linear, gen: torch.Generator) -> None:
+    """nn.Linear's own default init (kaiming-uniform a=sqrt(5), uniform bias), from `gen`."""
+    nn.init.kaiming_uniform_(linear.weight, a=math.sqrt(5), generator=gen)
+    if linear.bias is not None:
+        bound = 1.0 / math.sqrt(linear.in_features)
+        nn.init.uniform_(linear.bias, -bound, bound, generator=gen)
+
+
+def expert_seed(seed: int, layer_index: int, global_expert: int) -> int:
+    """Seed of global expert `global_expert` of layer `layer_index` (independent of ep_size)."""
+    return (seed * 1_000_003 + layer_index * 10_007 + global_expert) % (2**63 - 1)
+
+
+class DeepSpeedMoEMLP(nn.Module):
+    """`deepspeed.moe.layer.MoE` behind the block's MLP contract: forward(x) -> (y, l_aux)."""
+
+    def __init__(self, spec: MoELayerSpec, *, ep_rank: int = 0) -> None:
+        super().__init__()
+        from deepspeed.moe.layer import MoE
+
+        self.spec = spec
+        self.moe = MoE(
+            hidden_size=spec.d_model,
+            expert=make_expert(spec.d_model, spec.d_hidden),
+            num_experts=spec.experts,
+            ep_size=spec.ep_size,
+            k=spec.top_k,
+            capacity_factor=spec.capacity_factor,
+            eval_capacity_factor=spec.eval_capacity_factor,
+            min_capacity=spec.min_capacity,
+            use_residual=spec.use_residual,
+            noisy_gate_policy=None if spec.noisy_gate_policy == "none" else spec.noisy_gate_policy,
+            drop_tokens=spec.drop_tokens,
+            use_rts=spec.use_rts,
+            top2_2nd_expert_sampling=spec.top2_2nd_expert_sampling,
+        )
+        self.num_local_experts = self.moe.num_local_experts
+        self.ep_rank = ep_rank
+        self._seed_experts()
+        self.last: RoutingRecord | None = None
+        self.moe.deepspeed_moe.gate.register_forward_hook(self._record_routing)
+
+    @property
+    def local_experts(self) -> nn.ModuleList:
+        """This rank's experts; local index j is global expert ep_rank * num_local_experts + j."""
+        return self.moe.deepspeed_moe.experts.deepspeed_experts
+
+    @property
+    def gate_weight(self) -> nn.Parameter:
+        return self.moe.deepspeed_moe.gate.wg.weight
+
+    def _seed_experts(self) -> None:
+        for j, expert in enumerate(self.local_experts):
+            g = self.ep_rank * self.num_local_experts + j
+            gen = torch.Generator().manual_seed(expert_seed(self.spec.seed, self.spec.layer_index, g))
+            with torch.no_grad():
+                for module in expert.modules():
+                    if isinstance(module, nn.Linear):
+                        _reset_linear(module, gen)
+
+    def _record_routing(self, _gate, _inputs, output) -> None:
+        # MOELayer asks the gate for sparse routes: (l_aux, capacity, experts, indices [k, s],
+        # locations [k, s], gates [k, s], exp_counts). A route evicted at capacity has index -1.
+        _l_aux, capacity, num_experts, indices, _locations, _gates, exp_counts = output
+        indices = indices.detach().reshape(-1).long()
+        kept = indices[indices >= 0]
+        self.last = RoutingRecord(
+            exp_counts=exp_counts.detach().to("cpu", torch.int64),
+            kept_per_expert=torch.bincount(kept, minlength=int(num_experts)).to("cpu", torch.int64),
+            capacity=int(capacity),
+            routes=int(indices.numel()),
+            dropped=int((indices < 0).sum()),
+        )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y, l_aux, _exp_counts = self.moe(x)
+        return y, l_aux
+
+    @staticmethod
+    def param_category(local_name: str) -> str:
+        """Category of a parameter named relative to this module (see models/transformer.py)."""
+        if ".deepspeed_experts." in local_name:
+            return "experts"
+        if ".gate.wg." in local_name:
+            return "gate"
+        if local_name.startswith("moe.mlp."):
+            return "residual"
+        if local_name.startswith("moe.coefficient."):
+            return "coefficient"
+        return "moe-other"
+
+
+def moe_layers(model: nn.Module) -> list[DeepSpeedMoEMLP]:
+    """Every DeepSpeed MoE MLP of a model, in layer order."""
+    return [m for m in model.modules() if isinstance(m, DeepSpeedMoEMLP)]

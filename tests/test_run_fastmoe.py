@@ -1,0 +1,115 @@
+"""`moebench run fastmoe` end to end: bad input, the quick run's files, reproducibility, ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from moebench import results
+from moebench.cli.app import app
+
+runner = CliRunner()
+# Same float32 ops in a different grouping (per-rank means, then all_reduce): a few ulps per step.
+LOSS_CURVE_ATOL = 1e-5
+FAST = ["--steps", "6"]
+
+
+def _run_json(*args: str) -> dict:
+    result = runner.invoke(app, ["run", "fastmoe", *args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("args,flag", [
+    (["--experts", "6", "--world-size", "4"], "--world-size"),
+    (["--experts", "8", "--top-k", "9"], "--top-k"),
+    (["--d-model", "30", "--heads", "4"], "--heads"),
+    (["--gate", "switch", "--top-k", "2"], "--top-k"),
+    (["--gate", "gshard", "--top-k", "1"], "--top-k"),
+    (["--gate", "bogus"], "--gate"),
+    (["--steps", "0"], "--steps"),
+    (["--d-hidden", "-3"], "--d-hidden"),
+    (["--batch-size", "6", "--world-size", "4"], "--batch-size"),
+    (["--lr", "0"], "--lr"),
+    (["--preset", "nope"], "--preset"),
+    (["--backend", "fmoe"], "--backend"),
+    (["--backend", "magic"], "--backend"),
+    (["--device", "tpu"], "--device"),
+])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(args, flag, tmp_path):
+    root = tmp_path / "res"
+    result = runner.invoke(app, ["run", "fastmoe", *args, "--results-dir", str(root)])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {flag}:"), result.output
+    assert not root.exists()
+
+
+def test_fmoe_backend_error_says_why():
+    result = runner.invoke(app, ["run", "fastmoe", "--backend", "fmoe"])
+    assert "CUDA" in result.output or "not importable" in result.output
+
+
+def test_quick_run_records_everything():
+    summary = _run_json(*FAST)
+    run = summary["run_path"]
+    files = sorted(os.listdir(run))
+    assert files == ["config.json", "env.json", "loss.png", "metrics.jsonl", "params.json", "summary.json"]
+    config = results.read_json(f"{run}/config.json")
+    assert config["backend"] == "reference" == summary["backend"]
+    assert results.read_json(f"{run}/params.json")["backend"] == "reference"
+    on_disk = results.read_json(f"{run}/summary.json")
+    assert on_disk["status"] == "ok" and on_disk["loss"] == summary["loss"]
+    metrics = results.read_jsonl(f"{run}/metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, 7))
+    assert [m["loss"] for m in metrics] == summary["losses"]
+    # Every slot goes somewhere: routed tokens per layer sum to batch * seq * top_k.
+    per_step = config["batch_size"] * config["seq_len"] * config["top_k"]
+    assert all(sum(layer) == per_step for m in metrics for layer in m["tokens_per_expert"])
+    params = summary["params"]
+    assert params["moe"] == params["experts"] + params["gate"]
+    assert params["total"] == params["moe"] + params["attention"] + params["norm"] + params["other"]
+    assert summary["loss"]["last"] < summary["loss"]["first"] and summary["eval_loss"] > 0
+
+
+def test_same_seed_same_loss_curve_bit_for_bit():
+    assert _run_json(*FAST)["losses"] == _run_json(*FAST)["losses"]
+    assert _run_json(*FAST, "--seed", "1")["losses"] != _run_json(*FAST)["losses"]
+
+
+@pytest.mark.parametrize("gate,k", [("gshard", "2"), ("switch", "1"), ("noisy", "2")])
+def test_other_gates_train_with_aux_loss(gate, k):
+    summary = _run_json("--steps", "3", "--gate", gate, "--top-k", k, "--aux-loss-coef", "0.01")
+    assert summary["loss"]["first"] > 0
+
+
+@pytest.mark.multirank
+def test_two_ranks_follow_the_one_process_loss_curve():
+    one = _run_json(*FAST)
+    two = _run_json(*FAST, "--world-size", "2")
+    assert two["world_size"] == 2 and two["params"] == one["params"]
+    assert max(abs(a - b) for a, b in zip(one["losses"], two["losses"])) < LOSS_CURVE_ATOL
+    assert abs(one["eval_loss"] - two["eval_loss"]) < LOSS_CURVE_ATOL
+
+
+def test_console_output_names_backend_and_compares_with_chapter():
+    result = runner.invoke(app, ["run", "fastmoe", *FAST])
+    assert result.exit_code == 0, result.output
+    for text in ("backend: reference", "parameters", "measured vs chapter 6", "training loss"):
+        assert text in result.output
+
+
+@pytest.mark.slow
+def test_chapter_preset_runs_on_cpu(tmp_path):
+    """The chapter's 273 M model, real CLI in a subprocess (a few minutes on 2 cores)."""
+    out = subprocess.run([sys.executable, "-m", "moebench", "run", "fastmoe", "--preset", "chapter", "--json",
+                          "--results-dir", str(tmp_path)], capture_output=True, text=True, timeout=1800)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert round(summary["params"]["moe"] / 1e6, 1) == 268.6
+    assert summary["loss"]["last"] < summary["loss"]["first"]
