@@ -18,5 +18,18 @@ class UserError(Exception):
         super().__init__(f"{flag}: {message}" if flag else message)
 
 
+class RunFailed(RuntimeError):
+    """A run started but did not finish; its folder says so (summary.json status "failed").
+
+    The CLI prints the message and the run folder once, and exits 1.
+    """
+
+    exit_code = 1
+
+    def __init__(self, message: str, run_path=None) -> None:
+        self.run_path = run_path
+        super().__init__(message)
+
+
 class ConfigError(UserError):
     """A configuration value is invalid (raised from config `__post_init__`)."""

@@ -89,9 +89,13 @@ def comparison_table(rows: list[dict], title: str):
         table.add_column(col, justify="right" if col in ("measured", "chapter", "difference") else "left")
     for r in rows:
         diff = r["difference"]
-        diff_text = "—" if diff is None else (
-            ("+" if diff >= 0 else "") + format_number(diff, r["unit"])
-            + (f" ({100 * (r['ratio'] - 1):+.1f} %)" if r["ratio"] is not None else ""))
+        if diff is None:
+            diff_text = "—"
+        elif r["unit"] == "%":  # a difference of percentages is in percentage points
+            diff_text = f"{diff:+.1f} pp"
+        else:
+            diff_text = ("+" if diff >= 0 else "") + format_number(diff, r["unit"]) + (
+                f" ({100 * (r['ratio'] - 1):+.1f} %)" if r["ratio"] is not None else "")
         table.add_row(r["label"], format_number(r["measured"], r["unit"]),
                       format_number(r["published"], r["unit"]), diff_text, r["section"])
     return table

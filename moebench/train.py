@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from moebench import results
+from moebench.errors import RunFailed
 from moebench.distributed.launch import RankContext, launch, under_torchrun
 
 
@@ -112,14 +113,6 @@ def _progress(spec: LoopSpec):
 
 
 # --------------------------------------------------------------------------- run driver
-
-
-class RunFailed(RuntimeError):
-    """A run started but did not finish; its folder says so (summary.json status "failed")."""
-
-    def __init__(self, message: str, run_path: Path | None) -> None:
-        self.run_path = run_path
-        super().__init__(message)
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -8,17 +8,25 @@ import typer
 from typer.core import TyperGroup
 
 from moebench import __version__
-from moebench.errors import UserError
+from moebench.errors import RunFailed, UserError
 
 
 class _Group(TyperGroup):
-    """Root group: a `UserError` from any command becomes one line on stderr and exit code 2."""
+    """Root group: the one place errors meant for users become messages and exit codes.
+
+    UserError (bad input) -> one line, exit 2. RunFailed (a run started and failed; its folder
+    says so) -> the reason and the folder, exit 1.
+    """
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except UserError as exc:
             typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(code=exc.exit_code) from None
+        except RunFailed as exc:
+            where = f"\nresults: {exc.run_path}" if exc.run_path else ""
+            typer.echo(f"run failed: {exc}{where}", err=True)
             raise typer.Exit(code=exc.exit_code) from None
 
 

@@ -1,11 +1,139 @@
-"""`moebench verify-parity` (placeholder until issue 4 lands)."""
+"""`moebench verify-parity`: multi-rank parity checks against single-process references."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import List, Optional
 
 import typer
 
 app = typer.Typer(help="Multi-rank parity checks against single-process references.")
 
 
+def _is_printer() -> bool:
+    # Under torchrun every rank runs this command; only rank 0 talks.
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _list(as_json: bool) -> None:
+    from moebench.parity.registry import IMPORT_ERRORS, all_checks
+
+    checks = all_checks()
+    if as_json:
+        typer.echo(json.dumps({"checks": [
+            {"name": c.name, "seed": c.seed_source, "description": c.description,
+             "min_world_size": c.min_world_size, "max_world_size": c.max_world_size,
+             "requires": list(c.requires), "impl_keys": list(c.impl_keys)} for c in checks],
+            "import_errors": {m: e.strip().splitlines()[-1] for m, e in IMPORT_ERRORS.items()}}, indent=2))
+        return
+    from rich import box
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(box=box.SIMPLE_HEAD, title="verify-parity checks")
+    table.add_column("name", no_wrap=True)
+    for col in ("seed", "ranks", "--impl", "asserts"):
+        table.add_column(col)
+    for c in checks:
+        sizes = f">= {c.min_world_size}" + (f", <= {c.max_world_size}" if c.max_world_size else "")
+        table.add_row(c.name, escape(c.seed_source), sizes, ",".join(c.impl_keys), escape(c.description))
+    console = _console()
+    console.print(table)
+    for module, error in IMPORT_ERRORS.items():
+        console.print(f"[yellow]check module {module} did not import: {error.strip().splitlines()[-1]}[/]")
+
+
+def _console():
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal:  # piped / captured: do not squeeze the table into 80 columns
+        console = Console(width=120)
+    return console
+
+
+def _fmt(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.1e}"
+
+
+def _print_table(summary: dict) -> None:
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    console = _console()
+    table = Table(box=box.SIMPLE_HEAD, title=f"verify-parity: {summary['world_size']} rank(s), {summary['backend']}, "
+                        f"tolerance {summary['tolerance']}")
+    table.add_column("check", no_wrap=True)
+    for col in ("result", "max abs", "max rel", "rtol/atol", "magnitude", "vacuous", "time"):
+        table.add_column(col)
+    colour = {"pass": "green", "fail": "red", "skip": "yellow"}
+    for c in summary["checks"]:
+        vac = f"[yellow]{c['vacuous']} VACUOUS[/]" if c["vacuous"] else "0"
+        table.add_row(c["name"], f"[{colour[c['status']]}]{c['status']}[/]", _fmt(c["max_abs_diff"]),
+                      _fmt(c["max_rel_diff"]), c["tolerance"] or "-", _fmt(c["magnitude"]), vac,
+                      f"{c['elapsed_s']:.1f}s")
+    console.print(table)
+    for c in summary["checks"]:
+        if c["reason"] and (c["status"] != "pass" or c.get("unasserted_outside")):
+            console.print(f"[bold]{c['name']}[/] ({c['status']}):", highlight=False)
+            console.print(c["reason"], markup=False, highlight=False)
+    counts = summary["counts"]
+    console.print(f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped; "
+                  f"{summary['vacuous_total']} vacuous assertion(s); {summary['elapsed_s']:.1f} s; "
+                  f"saved to {summary['run_dir']}", highlight=False)
+    if summary["vacuous_total"]:
+        console.print("[yellow]vacuous: the tolerance is not below the magnitude compared, so an all-zero "
+                      "result would pass those assertions.[/]")
+
+
 @app.callback(invoke_without_command=True)
-def verify_parity() -> None:
-    """Run the parity checks."""
-    raise typer.Exit(1)
+def verify_parity(
+    world_size: int = typer.Option(4, "--world-size", "-n", help="Local ranks to start (ignored under torchrun)."),
+    checks: Optional[str] = typer.Option(None, "--checks", help="Comma-separated check names (default: all)."),
+    list_checks: bool = typer.Option(False, "--list", help="List the registered checks and exit."),
+    timeout: float = typer.Option(120.0, "--timeout", help="Deadline of each check in seconds."),
+    backend: str = typer.Option("auto", "--backend", help="auto (NCCL with enough GPUs, else gloo), gloo or nccl."),
+    tolerance: str = typer.Option("strict", "--tolerance", help="strict (relative to magnitude) or seed (the seeds' own)."),
+    impl: List[str] = typer.Option([], "--impl", help="Verify your code, KEY=pkg.mod:attr with KEY all-gather, experts, "
+                                   "ddp, replicate, moe or moe-sync (repeatable; contracts: docs/verify-parity.md)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document (the saved summary.json) instead of the table."),
+    debug_collectives: bool = typer.Option(False, "--debug-collectives", help="TORCH_DISTRIBUTED_DEBUG=DETAIL in every rank."),
+    results_dir: Optional[str] = typer.Option(None, "--results-dir", help="Results root (default: $MOEBENCH_RESULTS or ./results)."),
+    seed: int = typer.Option(0, "--seed", help="Base random seed of every check's tensors."),
+) -> None:
+    """Run the parity checks: exit 0 when all passed, 1 when any failed, 2 on bad input."""
+    if list_checks:
+        _list(as_json)
+        return
+    from moebench.parity.registry import parse_impls
+    from moebench.parity.runner import ParityConfig, verify_parity as run
+
+    names = tuple(n.strip() for n in checks.split(",") if n.strip()) if checks else ()
+    config = ParityConfig(world_size=world_size, checks=names, timeout_s=timeout, backend=backend,
+                          tolerance=tolerance, impls=parse_impls(impl), debug_collectives=debug_collectives,
+                          seed=seed)
+
+    def progress(record) -> None:
+        if _is_printer() and not as_json:
+            typer.echo(f"  {record.name}: {record.status} ({record.elapsed_s:.1f} s)", err=True)
+
+    try:
+        summary = run(config, results_dir=results_dir, on_record=progress)
+    except KeyboardInterrupt:
+        if _is_printer():
+            typer.echo("verify-parity: interrupted; every rank was stopped", err=True)
+        raise typer.Exit(130) from None
+    if _is_printer():
+        if as_json:
+            typer.echo(json.dumps(_jsonable(summary), indent=2))
+        else:
+            _print_table(summary)
+    raise typer.Exit(0 if summary["status"] == "ok" else 1)
+
+
+def _jsonable(doc):
+    from moebench.results import to_jsonable
+
+    return to_jsonable(doc)

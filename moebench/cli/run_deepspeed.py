@@ -7,9 +7,8 @@ from typing import Optional
 
 import typer
 
-from moebench import deepspeed_run, report, results
+from moebench import report, results
 from moebench.errors import UserError
-from moebench.train import RunFailed
 
 
 def _expert_counts(text: Optional[str]) -> Optional[tuple[int, ...]]:
@@ -57,6 +56,8 @@ def run_deepspeed(
                                               help="Passed by the `deepspeed` launcher; LOCAL_RANK is read instead."),
 ) -> None:
     """Train the DeepSpeed-MoE Transformer through DeepSpeed's engine and compare with the chapter."""
+    from moebench import deepspeed_run  # imports torch: keep `moebench --help` fast
+
     config = deepspeed_run.resolve_config(preset, dict(
         experts=_expert_counts(experts), layers=layers, d_model=d_model, d_hidden=d_hidden, heads=heads,
         top_k=top_k, capacity_factor=capacity_factor, eval_capacity_factor=eval_capacity_factor,
@@ -69,11 +70,7 @@ def run_deepspeed(
         typer.echo(f"deepspeed-moe: experts {list(config.experts_per_layer)}, top-{config.top_k}, "
                    f"ep_size {config.ep_size}, ZeRO {config.zero_stage}, {config.world_size} rank(s), "
                    f"{config.epochs} epochs x {config.steps_per_epoch} steps (preset {config.preset})")
-    try:
-        outcome = deepspeed_run.run(config, results_root=results_dir, show_progress=not as_json)
-    except RunFailed as exc:
-        typer.echo(f"run failed: {exc}\nresults: {exc.run_path}", err=True)
-        raise typer.Exit(1) from None
+    outcome = deepspeed_run.run(config, results_root=results_dir, show_progress=not as_json)
     summary = outcome.summary
     if outcome.run_path is None:  # a non-writing torchrun rank
         return

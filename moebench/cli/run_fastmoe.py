@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from moebench import fastmoe_run, published, report, results
+from moebench import published, report, results
 from moebench.errors import UserError
 
 
@@ -35,6 +35,8 @@ def run_fastmoe(
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON only."),
 ) -> None:
     """Train the fastmoe Transformer-MoE on random data and compare with the chapter."""
+    from moebench import fastmoe_run  # imports torch: keep `moebench --help` fast
+
     if not timeout > 0:
         raise UserError(f"must be positive, got {timeout}", flag="--timeout")
     config = fastmoe_run.resolve_config(preset, dict(

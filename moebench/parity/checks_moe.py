@@ -1,0 +1,146 @@
+"""Check 9 `moe-expert-parallel`: the fastmoe-style layer (`run fastmoe`'s reference backend)
+with its experts spread over the ranks vs one process holding all of them.
+
+One process: FMoEReference(num_expert=E) on the global batch. W ranks: FMoEReference(num_expert
+= E / W, world_size = W) loaded with the same weights (`shard_state_dict`), each rank on its slice
+of the batch, slots exchanged by all-to-all, gradients made global by `sync_gradients`.
+Compared on every rank over 2 SGD steps: outputs, input gradients, the gate's gradients and each
+local expert's gradients (vs the matching global expert), and the weights after each step.
+Loss on rank r: a weighted mean of its outputs (fixed random weights, so a misrouted gradient
+cannot cancel out); the one process descends the same weights' mean over the global batch.
+The gate's rows are rescaled to equal norm and each rank's first tokens are steered at its own
+experts, so every expert receives slots and no expert gradient is a vacuous zero-vs-zero.
+
+--impl moe=pkg.mod:Class replaces the layer (FMoEReference's constructor: num_expert, d_model,
+d_hidden, world_size, top_k; same state_dict keys); --impl moe-sync=pkg.mod:fn replaces the
+gradient synchronisation fn(model) (default expert_parallel.sync_gradients).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moebench.parity.compare import SEED_ALLCLOSE_DEFAULT, STRICT, compare, pick
+from moebench.parity.registry import Check, CheckOptions, SkipCheck, impl_or_default, register
+
+D_MODEL = 8
+D_HIDDEN = 16
+TOP_K = 2
+EXPERTS_PER_RANK = 2
+TOKENS_PER_RANK = 16  # equal on every rank (global mean = mean of rank means); enough that every expert gets slots
+STEPS = 2
+LR = 0.5
+TOKEN_SCALE = 4.0  # |randn(8)| ~ 2.8: a steered token dominates its gate logits
+
+
+def _global_expert_key(key: str, rank: int, num_local_experts: int) -> str:
+    """"experts.<i>.rest" on `rank` -> the one-process key of the same expert."""
+    _, i, rest = key.split(".", 2)
+    return f"experts.{rank * num_local_experts + int(i)}.{rest}"
+
+
+def _first(out):
+    """The layer's output (layers may return (y, aux_loss))."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+def dense_reference(params: dict, x: torch.Tensor, experts: int, top_k: int) -> torch.Tensor:
+    """The MoE layer as plain math: NaiveGate top-k softmax, every expert on every token, mix."""
+    logits = F.linear(x, params["gate.gate.weight"], params.get("gate.gate.bias"))
+    top_val, top_idx = logits.topk(top_k, dim=-1)
+    score = top_val.softmax(dim=-1)
+    outs = []
+    for e in range(experts):
+        h = F.gelu(F.linear(x, params[f"experts.{e}.htoh4.weight"][0], params[f"experts.{e}.htoh4.bias"][0]))
+        outs.append(F.linear(h, params[f"experts.{e}.h4toh.weight"][0], params[f"experts.{e}.h4toh.bias"][0]))
+    every = torch.stack(outs, dim=1)  # (tokens, experts, d_model)
+    picked = every.gather(1, top_idx[..., None].expand(-1, -1, every.shape[-1]))
+    return (score[..., None] * picked).sum(dim=1)
+
+
+def _rank(ctx, opts: CheckOptions) -> list:
+    try:
+        from moebench.distributed import expert_parallel
+        from moebench.models.moe.layer import FMoEReference
+    except ImportError as exc:
+        raise SkipCheck(f"the fastmoe-style layer is not available: {exc}") from None
+    layer_cls, label = impl_or_default(opts, "moe", FMoEReference)
+    sync, sync_label = impl_or_default(opts, "moe-sync", expert_parallel.sync_gradients)
+    # No seed has this check; seed mode uses torch.allclose defaults, like the chapter's other seeds.
+    tol, asserted = pick(opts.tolerance, strict=STRICT, seed=SEED_ALLCLOSE_DEFAULT)
+    r, w = ctx.rank, ctx.world_size
+    experts = EXPERTS_PER_RANK * w
+    torch.manual_seed(opts.seed)
+    # moebench's layer only as the holder of the reference weights (fastmoe's init and keys);
+    # the reference forward is the dense math below, independent of any implementation.
+    holder = FMoEReference(num_expert=experts, d_model=D_MODEL, d_hidden=D_HIDDEN, top_k=TOP_K)
+    gate_weight = dict(holder.named_parameters())["gate.gate.weight"]
+    with torch.no_grad():  # equal-norm gate rows: token c * row_e then picks expert e first
+        gate_weight /= gate_weight.norm(dim=1, keepdim=True)
+    local = layer_cls(num_expert=EXPERTS_PER_RANK, d_model=D_MODEL, d_hidden=D_HIDDEN, top_k=TOP_K,
+                      world_size=w)
+    local.load_state_dict(expert_parallel.shard_state_dict(holder.state_dict(), r, EXPERTS_PER_RANK))
+    single_params = dict(holder.named_parameters())
+    rows = slice(r * TOKENS_PER_RANK, (r + 1) * TOKENS_PER_RANK)
+    results = []
+    for step in range(STEPS):
+        prefix = f"step {step + 1}"
+        g = torch.Generator().manual_seed(opts.seed * 1000 + step)
+        x_all = torch.randn(w * TOKENS_PER_RANK, D_MODEL, generator=g)
+        weights = torch.randn(w * TOKENS_PER_RANK, D_MODEL, generator=g)
+        # Every expert gets at least one slot (an expert with no tokens has an all-zero gradient,
+        # and comparing zeros with zeros proves nothing): rank s's first tokens point along its
+        # own experts' gate rows.
+        for e in range(experts):
+            owner, j = divmod(e, EXPERTS_PER_RANK)
+            row = gate_weight.detach()[e]
+            x_all[owner * TOKENS_PER_RANK + j] = TOKEN_SCALE * row / row.norm()
+
+        x = x_all[rows].clone().requires_grad_(True)
+        y = _first(local(x))
+        ((y * weights[rows]).mean()).backward()
+        sync(local)
+
+        big_x = x_all.clone().requires_grad_(True)
+        y_ref = dense_reference(single_params, big_x, experts, TOP_K)
+        ((y_ref * weights).mean()).backward()
+
+        if r == 0:  # the implementation's own one-process path, same weights
+            whole = layer_cls(num_expert=experts, d_model=D_MODEL, d_hidden=D_HIDDEN, top_k=TOP_K)
+            whole.load_state_dict(holder.state_dict())
+            with torch.no_grad():
+                results.append(compare(f"{prefix}: one-process layer output", _first(whole(x_all)),
+                                       y_ref.detach(), tol, asserted=asserted))
+        results.append(compare(f"{prefix}: output", y, y_ref[rows], tol, asserted=asserted,
+                               note=f"layer {label}, sync {sync_label}"))
+        # A token's output depends on no other token: its input gradient is d(rank mean)/dx,
+        # W times d(global mean)/dx.
+        results.append(compare(f"{prefix}: input grad", x.grad, big_x.grad[rows] * w, tol, asserted=asserted))
+        for name, p in local.named_parameters():
+            ref_name = _global_expert_key(name, r, EXPERTS_PER_RANK) if name.startswith("experts.") else name
+            q = single_params[ref_name]
+            got = p.grad if p.grad is not None else torch.zeros_like(p)
+            results.append(compare(f"{prefix}: {name} grad (global {ref_name})", got, q.grad, tol,
+                                   asserted=asserted))
+        with torch.no_grad():
+            for p in list(local.parameters()) + list(holder.parameters()):
+                if p.grad is not None:
+                    p -= LR * p.grad
+                p.grad = None
+        for name, p in local.named_parameters():
+            ref_name = _global_expert_key(name, r, EXPERTS_PER_RANK) if name.startswith("experts.") else name
+            results.append(compare(f"{prefix}: {name} after SGD", p, single_params[ref_name], tol, asserted=asserted))
+        # Next step from identical weights: each step judged on its own, not on accumulated rounding.
+        with torch.no_grad():
+            for name, p in local.named_parameters():
+                ref_name = _global_expert_key(name, r, EXPERTS_PER_RANK) if name.startswith("experts.") else name
+                p.copy_(single_params[ref_name])
+    return results
+
+
+register(Check(
+    name="moe-expert-parallel", order=90, seed_source="004 chapter 6.4.1 (fastmoe FMoETransformerMLP)",
+    description="fastmoe-style MoE, experts spread over ranks (all-to-all) vs one process: outputs, input/gate/expert grads",
+    rank_fn=_rank, impl_keys=("moe", "moe-sync"),
+))

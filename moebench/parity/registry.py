@@ -1,0 +1,185 @@
+"""The parity check registry, as data.
+
+How to add a check (e.g. in moebench/parity/checks_foo.py):
+
+    from moebench.parity.registry import Check, CheckOptions, SkipCheck, register
+    from moebench.parity.compare import STRICT, SEED_ALLCLOSE_DEFAULT, compare, pick
+
+    def _rank(ctx, opts: CheckOptions) -> list[Comparison]:
+        # runs on EVERY rank with the process group initialised (ctx: launch.RankContext);
+        # build the distributed thing and a single-process reference, then compare.
+        tol, asserted = pick(opts.tolerance, strict=STRICT, seed=SEED_ALLCLOSE_DEFAULT)
+        return [compare("output", out, ref_out, tol, rank=ctx.rank, asserted=asserted)]
+        # raise SkipCheck("why") to skip (e.g. an optional package is missing)
+
+    register(Check(name="foo", order=50, seed_source="000 ...", description="...", rank_fn=_rank,
+                   requires=("deepspeed",)))
+
+then add the module name to CHECK_MODULES below. A check passes when every rank returned, at
+least one asserted comparison exists, and every asserted comparison passed. The registry imports
+check modules defensively: a module that is missing or fails to import never breaks `--list`
+(its import error is kept in IMPORT_ERRORS and reported).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import traceback
+from typing import Any, Callable
+
+from moebench.errors import UserError
+
+CHECK_MODULES = (
+    "moebench.parity.checks_ddp",
+    "moebench.parity.checks_replicate",
+    "moebench.parity.checks_allgather",
+    "moebench.parity.checks_experts",
+    "moebench.parity.checks_moe",
+    "moebench.parity.checks_deepspeed",
+)
+
+# --impl keys a user may replace, and the contract each must meet (also in docs/verify-parity.md).
+IMPL_CONTRACTS = {
+    "all-gather": "fn(t, dim=0, sizes=None) -> (gathered, sizes); autograd-capable",
+    "experts": "Class(list_of_expert_modules); forward(x[batch, experts, tokens, dim], is_distributed=None)",
+    "ddp": "Wrapper(module) -> module whose backward leaves gradients averaged over ranks (like DDP)",
+    "replicate": "fn(module, **kwargs) -> module, like torch.distributed._composable.replicate",
+    "moe": "Class(num_expert=, d_model=, d_hidden=, top_k=, world_size=) like FMoEReference (same state_dict keys)",
+    "moe-sync": "fn(model) after backward: makes every rank's gradients the global-batch ones",
+}
+
+
+class SkipCheck(Exception):
+    """Raised by a rank function to skip its check with a reason."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckOptions:
+    """What every rank of every check is told (must stay picklable)."""
+
+    tolerance: str = "strict"
+    """"strict" or "seed" (see compare.py)."""
+    impls: dict[str, str] = dataclasses.field(default_factory=dict)
+    """--impl overrides: key ("all-gather", "experts", ...) -> "package.module:attribute"."""
+    seed: int = 0
+    """Base random seed; every rank derives its tensors from it deterministically."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Check:
+    """One registered parity check."""
+
+    name: str
+    """The name used by --checks, e.g. "ddp-adam"."""
+    order: int
+    """Position in --list and in the table (the issue's numbering x 10)."""
+    seed_source: str
+    """The seed document it comes from, e.g. "003 test_c10d_spawn_gloo"."""
+    description: str
+    """One line: what it asserts."""
+    rank_fn: Callable[..., list]
+    """fn(ctx: RankContext, opts: CheckOptions) -> list[Comparison], run on every rank."""
+    min_world_size: int = 1
+    """Smaller worlds skip the check with a reason."""
+    max_world_size: int | None = None
+    """Larger worlds skip the check with a reason (None: no limit)."""
+    requires: tuple[str, ...] = ()
+    """Importable modules the check needs; a missing one skips it with a reason."""
+    impl_keys: tuple[str, ...] = ()
+    """Which --impl keys this check exercises."""
+    timeout_s: float | None = None
+    """Deadline override for this check (None: --timeout)."""
+    cuda_ready: bool = False
+    """True when the rank function puts its tensors on ctx.device (so it can run on NCCL). A
+    check that is not runs on gloo / CPU even where "auto" would pick NCCL, and is skipped when
+    NCCL is forced (--backend nccl, or a torchrun job on NCCL)."""
+    preload: tuple[str, ...] = ()
+    """Modules imported in the parent before the ranks fork, so N ranks do not each pay the import
+    (DDP imports torch._dynamo lazily: ~1 s alone, ~2 s per rank when 4 ranks do it at once)."""
+
+    def skip_reason(self, world_size: int) -> str | None:
+        if world_size < self.min_world_size:
+            return f"needs world size >= {self.min_world_size}"
+        if self.max_world_size is not None and world_size > self.max_world_size:
+            return f"needs world size <= {self.max_world_size}"
+        for module in self.requires:
+            if importlib.util.find_spec(module) is None:
+                return f"{module} is not installed"
+        return None
+
+
+REGISTRY: dict[str, Check] = {}
+IMPORT_ERRORS: dict[str, str] = {}
+_loaded = False
+
+
+def register(check: Check) -> Check:
+    REGISTRY[check.name] = check
+    return check
+
+
+def load_all() -> dict[str, Check]:
+    """Import every check module once (defensively) and return the registry."""
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for module in CHECK_MODULES:
+            try:
+                importlib.import_module(module)
+            except ModuleNotFoundError as exc:
+                if exc.name != module:  # the module exists but something it imports does not
+                    IMPORT_ERRORS[module] = traceback.format_exc()
+            except Exception:  # noqa: BLE001 - one broken check module must not break the others
+                IMPORT_ERRORS[module] = traceback.format_exc()
+    return REGISTRY
+
+
+def all_checks() -> list[Check]:
+    return sorted(load_all().values(), key=lambda c: (c.order, c.name))
+
+
+def select(names: list[str] | None) -> list[Check]:
+    """The checks named by --checks (all when None), in registry order; unknown names are a UserError."""
+    checks = all_checks()
+    if not names:
+        return checks
+    known = {c.name for c in checks}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise UserError(f"unknown check(s) {', '.join(unknown)}; see `moebench verify-parity --list`",
+                        flag="--checks")
+    return [c for c in checks if c.name in names]
+
+
+def parse_impls(specs: list[str]) -> dict[str, str]:
+    """--impl key=package.module:attr, validated (it must import) before anything runs."""
+    impls: dict[str, str] = {}
+    for spec in specs:
+        key, sep, target = spec.partition("=")
+        if not sep or key not in IMPL_CONTRACTS or ":" not in target:
+            raise UserError(f"expected KEY=package.module:attribute with KEY in {', '.join(IMPL_CONTRACTS)}, "
+                            f"got {spec!r}", flag="--impl")
+        try:
+            load_impl(target)
+        except Exception as exc:  # noqa: BLE001 - any import failure is the user's input
+            raise UserError(f"{target!r} does not import: {type(exc).__name__}: {exc}", flag="--impl") from None
+        impls[key] = target
+    return impls
+
+
+def load_impl(target: str) -> Any:
+    """"package.module:attr" -> the object."""
+    module, _, attr = target.partition(":")
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def impl_or_default(opts: CheckOptions, key: str, default: Any) -> tuple[Any, str]:
+    """The user's implementation for `key` if --impl gave one, else `default`; plus its label."""
+    if key in opts.impls:
+        return load_impl(opts.impls[key]), opts.impls[key]
+    return default, f"{getattr(default, '__module__', '')}:{getattr(default, '__qualname__', repr(default))}"

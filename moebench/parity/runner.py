@@ -1,0 +1,246 @@
+"""Run parity checks: one `launch` per check, each under its own deadline; then the audit.
+
+The audit turns per-rank comparison lists into one record per check:
+- "pass": every rank returned, >= 1 asserted comparison, all asserted comparisons passed;
+- "fail": a comparison failed, a rank raised / hung / died, or nothing was asserted;
+- "skip": world size outside the check's range, a missing requirement, or the check said so.
+Vacuous assertions (tolerance not below magnitude) are counted and flagged, never hidden.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import os
+import platform
+import time
+from typing import Any, Callable
+
+import torch
+
+from moebench.distributed.launch import launch, resolve_backend, under_torchrun
+from moebench.errors import UserError
+from moebench.results import STATUS_FAILED, STATUS_INTERRUPTED, STATUS_OK, RunDir
+from moebench.parity.compare import TOLERANCE_MODES, Comparison
+from moebench.parity.registry import Check, CheckOptions, SkipCheck, load_all, select
+
+DEFAULT_TIMEOUT_S = 120.0
+MAX_WORLD_SIZE = 64  # oversubscribing far beyond this on one machine only measures the scheduler
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParityConfig:
+    """A verify-parity run, validated before anything starts."""
+
+    world_size: int = 4
+    """Ranks to start (ignored under torchrun, where WORLD_SIZE decides)."""
+    checks: tuple[str, ...] = ()
+    """Names of the checks to run (empty: all)."""
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    """Deadline of each check, seconds; the process-group timeout is shorter."""
+    backend: str = "auto"
+    """"auto" (NCCL with enough GPUs, else gloo), "gloo" or "nccl"."""
+    tolerance: str = "strict"
+    """"strict" or "seed"."""
+    impls: dict[str, str] = dataclasses.field(default_factory=dict)
+    """--impl overrides (validated: each imports)."""
+    debug_collectives: bool = False
+    """Set TORCH_DISTRIBUTED_DEBUG=DETAIL in every rank."""
+    seed: int = 0
+    """Base random seed."""
+
+    def __post_init__(self) -> None:
+        if not under_torchrun() and not 1 <= self.world_size <= MAX_WORLD_SIZE:
+            raise UserError(f"must be between 1 and {MAX_WORLD_SIZE}, got {self.world_size}", flag="--world-size")
+        if not self.timeout_s > 0 or not math.isfinite(self.timeout_s):
+            raise UserError(f"must be a positive number of seconds, got {self.timeout_s}", flag="--timeout")
+        if self.backend not in BACKENDS:
+            raise UserError(f"must be one of {', '.join(BACKENDS)}, got {self.backend!r}", flag="--backend")
+        if self.backend == "nccl" and not torch.cuda.is_available():
+            raise UserError("nccl needs CUDA GPUs and none is visible; use --backend gloo", flag="--backend")
+        if self.tolerance not in TOLERANCE_MODES:
+            raise UserError(f"must be one of {', '.join(TOLERANCE_MODES)}, got {self.tolerance!r}", flag="--tolerance")
+
+
+@dataclasses.dataclass(kw_only=True)
+class CheckRecord:
+    """One check's outcome: what the table and summary.json show."""
+
+    name: str
+    status: str  # pass / fail / skip
+    seed_source: str
+    description: str
+    world_size: int
+    elapsed_s: float
+    reason: str = ""
+    """Why it failed or skipped (failed comparisons, a rank's traceback, stuck ranks' stacks)."""
+    max_abs_diff: float | None = None
+    max_rel_diff: float | None = None
+    tolerance: str = ""
+    """The tolerance of the comparison that came closest to failing, as text."""
+    rtol: float | None = None
+    atol: float | None = None
+    """rtol / applied atol of that comparison (each comparison's own are in `comparisons`)."""
+    magnitude: float | None = None
+    """Largest magnitude compared over all numeric comparisons."""
+    comparisons_total: int = 0
+    comparisons_failed: int = 0
+    vacuous: int = 0
+    """How many asserted comparisons were vacuous (an all-zero answer would have passed them)."""
+    unasserted_outside: int = 0
+    """Comparisons reported but not asserted (seed mode) that are outside their tolerance."""
+    launch_status: str = ""
+    backend: str = ""
+    """The backend this check ran on (CPU-only checks use gloo even where "auto" picks NCCL)."""
+    comparisons: list[dict] = dataclasses.field(default_factory=list)
+
+
+def _rank_entry(ctx, check_name: str, opts: CheckOptions) -> dict:
+    """Runs inside each rank: one check's rank function, its comparisons as plain dicts."""
+    check = load_all()[check_name]
+    try:
+        comparisons = check.rank_fn(ctx, opts)
+    except SkipCheck as exc:
+        return {"skip": str(exc) or "skipped by the check"}
+    out = []
+    for c in comparisons:
+        if c.rank is None:
+            c.rank = ctx.rank
+        out.append(c.to_dict())
+    return {"comparisons": out}
+
+
+def _audit(check: Check, result, world_size: int) -> CheckRecord:
+    base = dict(name=check.name, seed_source=check.seed_source, description=check.description,
+                world_size=world_size, elapsed_s=result.elapsed_s, launch_status=result.status,
+                backend=result.backend)
+    if not result.ok:
+        return CheckRecord(**base, status="fail", reason=result.describe())
+    skips = [r["skip"] for r in result.returns if r and "skip" in r]
+    if skips:
+        return CheckRecord(**base, status="skip", reason=skips[0])
+    comps = [Comparison(**c) for r in result.returns for c in r["comparisons"]]
+    asserted = [c for c in comps if c.asserted]
+    failed = [c for c in asserted if not c.passed]
+    # Maxima over what was asserted; "differ" assertions WANT a large difference, so they stay out.
+    numeric = [c for c in asserted if c.max_abs_diff is not None and c.kind != "differ"]
+    unasserted_outside = sum(1 for c in comps if not c.asserted and not c.passed)
+    worst = max(asserted, key=Comparison.ratio, default=None)
+    record = CheckRecord(
+        **base, status="pass" if asserted and not failed else "fail",
+        max_abs_diff=max((c.max_abs_diff for c in numeric), default=None),
+        max_rel_diff=max((c.max_rel_diff for c in numeric if c.max_rel_diff is not None), default=None),
+        magnitude=max((c.magnitude for c in numeric if c.magnitude is not None), default=None),
+        tolerance=(f"{worst.rtol:.1g}/{worst.atol:.1g}" if worst is not None and worst.atol is not None else ""),
+        rtol=worst.rtol if worst is not None else None, atol=worst.atol if worst is not None else None,
+        comparisons_total=len(comps), comparisons_failed=len(failed),
+        vacuous=sum(1 for c in asserted if c.vacuous), unasserted_outside=unasserted_outside,
+        comparisons=[c.to_dict() for c in comps],
+    )
+    if not asserted:
+        record.reason = "the check asserted nothing"
+    elif failed:
+        lines = [_describe_failure(c) for c in failed[:8]]
+        more = f"\n... and {len(failed) - 8} more" if len(failed) > 8 else ""
+        record.reason = "\n".join(lines) + more
+    if unasserted_outside:
+        note = (f"{unasserted_outside} comparison(s) the seed never asserts are outside the strict "
+                f"tolerance (reported, not asserted in this mode)")
+        record.reason = f"{record.reason}\n{note}".strip()
+    return record
+
+
+def _describe_failure(c: Comparison) -> str:
+    if c.max_abs_diff is None:
+        return f"rank {c.rank}: {c.name}: {c.note or 'failed'}"
+    verb = "should differ but agree" if c.kind == "differ" else "differ"
+    return (f"rank {c.rank}: {c.name}: {verb}: max abs diff {c.max_abs_diff:.3g}, max rel diff "
+            f"{c.max_rel_diff:.3g}, magnitude {c.magnitude:.3g}, rtol {c.rtol:g} atol {c.atol:.3g}"
+            + ("" if c.finite else " (NaN/Inf)") + (f" - {c.note}" if c.note else ""))
+
+
+def run_checks(config: ParityConfig, *, on_record: Callable[[CheckRecord], None] | None = None) -> dict[str, Any]:
+    """Run the selected checks one after another; returns the summary document."""
+    checks = select(list(config.checks) or None)
+    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else config.world_size
+    opts = CheckOptions(tolerance=config.tolerance, impls=dict(config.impls), seed=config.seed)
+    env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"} if config.debug_collectives else {}
+    if config.debug_collectives and under_torchrun():
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"  # this process is a rank (set before init)
+    records: list[CheckRecord] = []
+    start = time.monotonic()
+    auto_backend = resolve_backend(config.backend, world_size)
+    nccl_forced = config.backend == "nccl" or (under_torchrun() and auto_backend == "nccl")
+    for check in checks:
+        reason = check.skip_reason(world_size)
+        backend = config.backend
+        if reason is None and auto_backend == "nccl" and not check.cuda_ready:
+            if nccl_forced:
+                reason = "CPU-only check (its tensors stay on the CPU); run it with --backend gloo"
+            else:
+                backend = "gloo"  # "auto" picked NCCL, but this check's tensors live on the CPU
+        if reason is not None:
+            record = CheckRecord(name=check.name, status="skip", seed_source=check.seed_source,
+                                 description=check.description, world_size=world_size, elapsed_s=0.0,
+                                 reason=reason)
+        else:
+            for module in check.preload:
+                importlib.import_module(module)
+            result = launch(_rank_entry, world_size, args=(check.name, opts), backend=backend,
+                            timeout_s=check.timeout_s or config.timeout_s, label=f"check {check.name}",
+                            env=env)
+            record = _audit(check, result, world_size)
+        records.append(record)
+        if on_record is not None:
+            on_record(record)
+    counts = {s: sum(1 for r in records if r.status == s) for s in ("pass", "fail", "skip")}
+    return {
+        "kind": "parity",
+        "world_size": world_size,
+        "backend": resolve_backend(config.backend, world_size),
+        "tolerance": config.tolerance,
+        "impls": dict(config.impls),
+        "under_torchrun": under_torchrun(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "elapsed_s": time.monotonic() - start,
+        "counts": counts,
+        "vacuous_total": sum(r.vacuous for r in records),
+        "checks": [dataclasses.asdict(r) for r in records],
+    }
+
+
+def verify_parity(config: ParityConfig, *, results_dir: str | None = None,
+                  on_record: Callable[[CheckRecord], None] | None = None) -> dict[str, Any]:
+    """Validate, run, and save under results/parity/<run-id>/ (rank 0 only). Returns the summary.
+
+    The summary's "status" is "ok" when no check failed, else "failed"; Ctrl-C / SIGTERM write
+    "interrupted" and propagate."""
+    select(list(config.checks) or None)  # unknown names fail before any folder exists
+    is_writer = not under_torchrun() or int(os.environ.get("RANK", "0")) == 0
+    run_dir = RunDir.create("parity", root=results_dir) if is_writer else None
+    if run_dir is not None:
+        run_dir.write_json("config.json", dataclasses.asdict(config))
+        run_dir.start({"kind": "parity", "run_id": run_dir.run_id})
+    done: list[CheckRecord] = []
+
+    def record_done(record: CheckRecord) -> None:
+        done.append(record)
+        if on_record is not None:
+            on_record(record)
+
+    try:
+        summary = run_checks(config, on_record=record_done)
+    except KeyboardInterrupt:
+        if run_dir is not None:  # keep what finished before the interrupt
+            run_dir.finish(STATUS_INTERRUPTED, {"kind": "parity", "run_id": run_dir.run_id,
+                                                "checks": [dataclasses.asdict(r) for r in done]})
+        raise
+    status = STATUS_FAILED if summary["counts"]["fail"] else STATUS_OK
+    summary = {"status": status, "run_id": run_dir.run_id if run_dir else None,
+               "run_dir": str(run_dir.path) if run_dir else None, **summary}
+    if run_dir is not None:
+        run_dir.finish(status, {k: v for k, v in summary.items() if k != "status"})
+    return summary

@@ -1,0 +1,246 @@
+"""Deliberately broken implementations fed to `verify-parity --impl` by the tests.
+
+Each one has a single, realistic bug; every check must FAIL on the ones aimed at it. Importable
+as `parity_broken` (tests/ is on sys.path under pytest; subprocess tests set PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from moebench.distributed import collectives
+from moebench.distributed.collectives import all_gather_variable
+from moebench.distributed.experts import Experts, rank_share
+
+# ------------------------------------------------------------------ all-gather
+
+
+class _LocalSliceBackward(torch.autograd.Function):
+    """st-moe-pytorch's bug: backward returns this rank's slice of ITS OWN gradient only."""
+
+    @staticmethod
+    def forward(ctx, t, dim, sizes):
+        ctx.dim, ctx.sizes = dim, sizes
+        return collectives._gather_padded(t, sizes, dim, None)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.split(ctx.sizes, dim=ctx.dim)[dist.get_rank()], None, None
+
+
+def local_slice_all_gather(t, dim=0, sizes=None):
+    dim = dim % t.ndim
+    if sizes is None:
+        sizes = collectives.gather_sizes(t, dim=dim)
+    sizes = [int(s) for s in torch.as_tensor(sizes).tolist()]
+    return _LocalSliceBackward.apply(t, dim, sizes), torch.tensor(sizes)
+
+
+def reversed_order_all_gather(t, dim=0, sizes=None):
+    """Forward bug: blocks concatenated in reverse rank order."""
+    gathered, sizes = all_gather_variable(t, dim=dim, sizes=sizes)
+    sizes_list = [int(s) for s in sizes.tolist()]
+    return torch.cat(list(reversed(gathered.split(sizes_list, dim=dim))), dim=dim), sizes
+
+
+def raising_all_gather(t, dim=0, sizes=None):
+    """Rank 1 raises; the others would wait in the collective."""
+    if dist.get_rank() == 1:
+        raise ValueError("deliberate failure on rank 1")
+    return all_gather_variable(t, dim=dim, sizes=sizes)
+
+
+def hanging_all_gather(t, dim=0, sizes=None):
+    """Rank 1 never returns (pure Python sleep); the others block in the collective."""
+    if dist.get_rank() == 1:
+        time.sleep(3600)
+    return all_gather_variable(t, dim=dim, sizes=sizes)
+
+
+def hang_everywhere_all_gather(t, dim=0, sizes=None):
+    """Every rank sleeps: for the Ctrl-C test (nothing ends on its own)."""
+    with open(os.environ.get("PARITY_BROKEN_READY", os.devnull), "a") as f:
+        f.write(f"{dist.get_rank()}\n")
+    time.sleep(3600)
+
+
+def nan_all_gather(t, dim=0, sizes=None):
+    """Correct rows, but a NaN slipped into the output."""
+    gathered, sizes = all_gather_variable(t, dim=dim, sizes=sizes)
+    return gathered * torch.where(torch.arange(gathered.numel()).view_as(gathered) == 0,
+                                  torch.tensor(float("nan")), torch.tensor(1.0)), sizes
+
+
+# ------------------------------------------------------------------ experts
+
+
+class OffByOneExperts(Experts):
+    """Expert split off by one rank: each rank runs the share meant for the next rank."""
+
+    def share(self, rank, world_size, batch):
+        return rank_share((rank + 1) % world_size, world_size, self.num_experts, batch)
+
+
+class LocalSliceExperts(Experts):
+    """Correct routing, but both gathers use the local-slice backward."""
+
+    all_gather = staticmethod(local_slice_all_gather)
+
+
+class NoBiasExperts(Experts):
+    """Single-process and distributed paths both skip the last layer's bias."""
+
+    def forward(self, x, is_distributed=None):
+        out = super().forward(x, is_distributed)
+        return out - torch.stack([e[-1].bias for e in self.experts])[None, :, None, :]
+
+
+class DetachedIdleRankExperts(Experts):
+    """The idle rank's empty output piece is cut off from the graph: its backward skips the
+    gathers' collectives and every other rank waits in them (a deadlock, bounded by the timeout)."""
+
+    def forward(self, x, is_distributed=None):
+        self.idle_piece = lambda gathered: gathered.detach()[:0, 0]
+        return super().forward(x, is_distributed)
+
+
+class RaisingExperts(Experts):
+    def forward(self, x, is_distributed=None):
+        if dist.is_initialized() and dist.get_rank() == 1 and is_distributed is not False:
+            raise RuntimeError("deliberate failure inside rank 1's forward")
+        return super().forward(x, is_distributed)
+
+
+# ------------------------------------------------------------------ DDP wrappers
+
+
+class _HookedDDP(nn.Module):
+    """A hand-rolled data-parallel wrapper whose gradient hook is the bug."""
+
+    def __init__(self, module: nn.Module, reduce) -> None:
+        super().__init__()
+        self.module = module
+        for p in module.parameters():
+            dist.broadcast(p.data, 0)
+        for name, p in module.named_parameters():
+            p.register_hook(lambda g, name=name: reduce(name, g))
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+def _summed(name, g):
+    g = g.clone()
+    dist.all_reduce(g)
+    return g
+
+
+def _averaged_but_bias(name, g):
+    if name.endswith("bias"):
+        return g  # the dropped bias: never synchronised
+    g = g.clone()
+    dist.all_reduce(g)
+    return g / dist.get_world_size()
+
+
+def not_averaged_ddp(module):
+    """Gradients summed over ranks, never divided by the world size."""
+    return _HookedDDP(module, _summed)
+
+
+def no_sync_ddp(module):
+    """No gradient communication at all: every rank trains on its own data."""
+    return _HookedDDP(module, lambda name, g: g)
+
+
+def dropped_bias_ddp(module):
+    """Weights averaged, biases left rank-local."""
+    return _HookedDDP(module, _averaged_but_bias)
+
+
+# ------------------------------------------------------------------ replicate
+
+
+def _real_replicate():
+    from torch.distributed._composable.replicate import replicate
+
+    return replicate
+
+
+def noop_replicate(module, **kwargs):
+    """Returns the module untouched: no gradient sync at all."""
+    return module
+
+
+def ddp_wrapping_replicate(module, **kwargs):
+    """Wraps in DDP: state_dict keys gain a "module." prefix."""
+    kwargs.pop("ignored_modules", None)
+    return DistributedDataParallel(module, **kwargs)
+
+
+def ignores_nothing_replicate(module, ignored_modules=None, **kwargs):
+    """Drops ignored_modules: fc1 is synchronised too."""
+    return _real_replicate()(module, **kwargs)
+
+
+def lenient_device_id_replicate(module, device_id=None, **kwargs):
+    """Accepts any device_id silently."""
+    return _real_replicate()(module, **kwargs)
+
+
+# ------------------------------------------------------------------ fastmoe-style MoE layer
+
+
+def unscaled_expert_sync(model):
+    """fastmoe's DistributedGroupedDataParallel convention: expert gradients left summed (ep_size x)."""
+    from moebench.distributed.expert_parallel import sync_gradients
+
+    sync_gradients(model, scale_expert_grads=False)
+
+
+def no_moe_sync(model):
+    """Nothing synchronised: the gate trains on each rank's tokens only."""
+
+
+def _fmoe():
+    from moebench.models.moe.layer import FMoEReference
+
+    return FMoEReference
+
+
+class SwappedLocalExpertsMoE(_fmoe()):
+    """Off by one in the local expert index: slots for local expert i run through expert i+1."""
+
+    def run_experts(self, expert_in, tokens_per_local_expert):
+        experts = list(self.experts)
+        rotated = experts[1:] + experts[:1]
+        chunks = expert_in.split(tokens_per_local_expert)
+        return torch.cat([e(c) for e, c in zip(rotated, chunks)], dim=0)
+
+
+class DroppedBiasMoE(_fmoe()):
+    """The experts' output bias is never added."""
+
+    def run_experts(self, expert_in, tokens_per_local_expert):
+        chunks = expert_in.split(tokens_per_local_expert)
+        outs = [e(c) - e.h4toh.bias[0] for e, c in zip(self.experts, chunks)]
+        return torch.cat(outs, dim=0)
+
+
+def no_autograd_all_gather(t, dim=0, sizes=None):
+    """Right rows, but a plain collective: no gradient can flow back to the input."""
+    with torch.no_grad():
+        return all_gather_variable(t, dim=dim, sizes=sizes)
+
+
+def debug_env_probe_all_gather(t, dim=0, sizes=None):
+    """Correct, but refuses to run unless --debug-collectives reached this rank."""
+    if os.environ.get("TORCH_DISTRIBUTED_DEBUG") != "DETAIL":
+        raise RuntimeError("TORCH_DISTRIBUTED_DEBUG is not DETAIL in this rank")
+    return all_gather_variable(t, dim=dim, sizes=sizes)

@@ -1,0 +1,158 @@
+"""verify-parity: the comparison record, the registry, and the CLI's handling of input (fast)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from moebench.cli.app import app
+from moebench.errors import UserError
+from moebench.parity import registry
+from moebench.parity.compare import (SEED_EXPERTS_GRAD, STRICT, Tolerance, compare)
+
+runner = CliRunner()
+
+EXPECTED_CHECKS = ["ddp-adam", "ddp-sgd", "replicate-state-dict", "replicate-train", "replicate-ignored",
+                   "replicate-bad-device-id", "all-gather-variable", "experts", "moe-expert-parallel"]
+
+
+# ------------------------------------------------------------------ compare
+
+
+def test_compare_passes_within_and_fails_outside_tolerance():
+    expected = torch.tensor([1.0, -2.0, 3.0])
+    assert compare("x", expected * (1 + 1e-7), expected, STRICT).passed
+    c = compare("x", expected * 1.01, expected, STRICT)
+    assert not c.passed
+    assert c.max_abs_diff == pytest.approx(0.03, rel=1e-6)
+    assert c.max_rel_diff == pytest.approx(0.01, rel=1e-6)
+    assert c.magnitude == 3.0 and c.atol == pytest.approx(3e-5) and not c.vacuous
+
+
+def test_seed_gradient_tolerance_is_vacuous_on_small_gradients_and_passes_zeros():
+    grad = torch.full((4, 4), 3e-3)  # assert.py's gradients are this small
+    zero = compare("grad", torch.zeros_like(grad), grad, SEED_EXPERTS_GRAD)
+    assert zero.passed and zero.vacuous, "an all-zero gradient passes atol 1e-2: the record must say vacuous"
+    strict_zero = compare("grad", torch.zeros_like(grad), grad, STRICT)
+    assert not strict_zero.passed and not strict_zero.vacuous
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nan_and_inf_never_pass(bad):
+    expected = torch.tensor([1.0, bad])
+    for tol in (STRICT, Tolerance(rtol=1e9, atol_abs=1e9)):
+        c = compare("x", expected.clone(), expected, tol)
+        assert not c.passed and not c.finite
+
+
+def test_shape_mismatch_fails_and_differ_kind_inverts():
+    assert not compare("x", torch.zeros(2), torch.zeros(3), STRICT).passed
+    assert compare("x", torch.ones(2), torch.zeros(2), STRICT, expect_equal=False).passed
+    assert not compare("x", torch.ones(2), torch.ones(2), STRICT, expect_equal=False).passed
+
+
+def test_all_zero_comparison_is_vacuous_even_when_exact():
+    assert compare("x", torch.zeros(3), torch.zeros(3), STRICT).vacuous
+
+
+# ------------------------------------------------------------------ registry
+
+
+def test_registry_holds_the_issue_checks_in_order():
+    names = [c.name for c in registry.all_checks()]
+    assert [n for n in names if n in EXPECTED_CHECKS] == EXPECTED_CHECKS
+    for check in registry.all_checks():
+        assert check.seed_source and check.description and callable(check.rank_fn)
+
+
+def test_a_broken_check_module_never_breaks_list(monkeypatch, tmp_path):
+    (tmp_path / "parity_check_that_raises.py").write_text("raise RuntimeError('broken on import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    modules = registry.CHECK_MODULES + ("parity_check_that_raises", "parity_check_that_does_not_exist")
+    monkeypatch.setattr(registry, "CHECK_MODULES", modules)
+    monkeypatch.setattr(registry, "_loaded", False)
+    monkeypatch.setattr(registry, "IMPORT_ERRORS", {})
+    result = runner.invoke(app, ["verify-parity", "--list", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert [c["name"] for c in doc["checks"] if c["name"] in EXPECTED_CHECKS] == EXPECTED_CHECKS
+    assert "broken on import" in doc["import_errors"]["parity_check_that_raises"]
+    assert "parity_check_that_does_not_exist" not in doc["import_errors"]  # absent: silently skipped
+
+
+def test_select_and_parse_impls_reject_bad_input():
+    with pytest.raises(UserError, match="--checks"):
+        registry.select(["nope"])
+    for spec in ("experts", "bogus=os:path", "experts=no.such.module:X", "experts=os:NoSuchThing"):
+        with pytest.raises(UserError, match="--impl"):
+            registry.parse_impls([spec])
+    assert registry.parse_impls(["all-gather=moebench.distributed.collectives:all_gather_variable"])
+
+
+# ------------------------------------------------------------------ CLI input errors
+
+
+@pytest.mark.parametrize("args,flag", [
+    (["--checks", "ddp-adam,nope"], "--checks"),
+    (["--world-size", "0"], "--world-size"),
+    (["--impl", "experts=no_such_pkg.mod:Experts"], "--impl"),
+    (["--impl", "experts"], "--impl"),
+    (["--tolerance", "loose"], "--tolerance"),
+    (["--timeout", "0"], "--timeout"),
+    (["--backend", "mpi"], "--backend"),
+])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypatch, args, flag):
+    monkeypatch.setenv("MOEBENCH_RESULTS", str(tmp_path / "results"))
+    result = runner.invoke(app, ["verify-parity", *args])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: {flag}:"), result.output
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "results").exists()
+
+
+def test_list_prints_every_check(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEBENCH_RESULTS", str(tmp_path / "results"))
+    result = runner.invoke(app, ["verify-parity", "--list"])
+    assert result.exit_code == 0
+    for name in EXPECTED_CHECKS:
+        assert name in result.output
+    assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.multirank
+def test_json_output_is_the_saved_summary(tmp_path):
+    result = runner.invoke(app, ["verify-parity", "--world-size", "2", "--checks", "all-gather-variable,ddp-sgd",
+                                 "--json", "--results-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["status"] == "ok" and doc["counts"] == {"pass": 2, "fail": 0, "skip": 0}
+    saved = json.loads((tmp_path / "parity" / doc["run_id"] / "summary.json").read_text())
+    assert saved == doc
+    for check in doc["checks"]:
+        assert check["comparisons_total"] > 0 and check["max_abs_diff"] is not None
+        assert check["rtol"] is not None and check["magnitude"] > 0 and not math.isnan(check["elapsed_s"])
+
+
+def test_cpu_only_checks_run_on_gloo_where_auto_would_pick_nccl(monkeypatch):
+    from moebench.distributed.launch import LaunchResult
+    from moebench.parity import runner
+
+    seen = {}
+
+    def fake_launch(fn, world_size, *, args, backend, timeout_s, label, env):
+        seen[args[0]] = backend
+        ok = compare("x", torch.ones(2), torch.ones(2), STRICT).to_dict()
+        return LaunchResult(status="ok", world_size=world_size, backend=backend,
+                            returns=[{"comparisons": [ok]}] * world_size, errors={}, stacks={},
+                            stuck_ranks=[], elapsed_s=0.0)
+
+    monkeypatch.setattr(runner, "resolve_backend", lambda backend, world_size: "nccl")
+    monkeypatch.setattr(runner, "launch", fake_launch)
+    summary = runner.run_checks(runner.ParityConfig(world_size=2, checks=("ddp-sgd", "experts")))
+    assert seen == {"ddp-sgd": "gloo", "experts": "gloo"}
+    assert [c["backend"] for c in summary["checks"]] == ["gloo", "gloo"]
