@@ -149,21 +149,24 @@ def f(ctx):
     return {"rank": ctx.rank, "sum": t.item(), "torchrun": ctx.under_torchrun}
 if __name__ == "__main__":
     r = launch(f, 2, timeout_s=60, start_method=os.environ.get("START_METHOD") or None)
-    print("RESULT " + json.dumps({"status": r.status, "returns": r.returns}), flush=True)
+    # one file per process: two torchrun ranks printing at once would interleave their lines
+    out = os.path.join(os.environ["OUT_DIR"], "result-%s.json" % os.environ.get("RANK", "parent"))
+    with open(out, "w") as fh:
+        json.dump({"status": r.status, "returns": r.returns}, fh)
 """
 
 
-def _results_of(stdout: str) -> list[dict]:
-    return [json.loads(line[len("RESULT "):]) for line in stdout.splitlines() if line.startswith("RESULT ")]
+def _results_in(folder) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(folder.glob("result-*.json"))]
 
 
 def test_spawn_start_method_works(tmp_path):
     """The CUDA path spawns instead of forking; the mechanics are the same on CPU."""
     script = tmp_path / "s.py"
     script.write_text(_SCRIPT)
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "START_METHOD": "spawn"})
-    (res,) = _results_of(out.stdout)
+    subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                   env={**os.environ, "START_METHOD": "spawn", "OUT_DIR": str(tmp_path)})
+    (res,) = _results_in(tmp_path)
     assert res["status"] == "ok" and [r["sum"] for r in res["returns"]] == [1.0, 1.0]
 
 
@@ -172,9 +175,9 @@ def test_under_torchrun_each_process_is_one_rank(tmp_path):
     script.write_text(_SCRIPT)
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", str(script)],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "OUT_DIR": str(tmp_path)})
     assert out.returncode == 0, out.stderr[-2000:]
-    results = _results_of(out.stdout)
+    results = _results_in(tmp_path)
     assert len(results) == 2  # one launch per torchrun process, each seeing every rank's return
     for res in results:
         assert res["status"] == "ok"
