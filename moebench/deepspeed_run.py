@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from moebench import config as shared_config
 from moebench import results
 from moebench.distributed.launch import PG_TIMEOUT_FRACTION, RankContext, under_torchrun
 from moebench.errors import UserError
@@ -38,7 +39,6 @@ from moebench.models.deepspeed_moe import NOISY_GATE_POLICIES
 from moebench.train import LoopSpec, RunOutcome, execute_run, loss_summary, train_loop
 
 KIND = "deepspeed"
-PRESET_DIR = Path(__file__).resolve().parents[1] / "experiments" / KIND
 SHM_COMM_OP = "deepspeed_shm_comm"
 """DeepSpeed's CPU shared-memory collective op (JIT-built on first use)."""
 DATA_SEED_OFFSET = 101
@@ -120,9 +120,7 @@ class DeepSpeedRunConfig:
                     "--heads": self.heads, "--top-k": self.top_k, "--ep-size": self.ep_size,
                     "--epochs": self.epochs, "--batch": self.batch, "--seq": self.seq,
                     "--samples": self.samples, "--world-size": self.world_size}
-        for flag, value in positive.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise UserError(f"must be a positive integer, got {value!r}", flag=flag)
+        shared_config.require_positive_ints(positive)
         if not self.experts or any(isinstance(e, bool) or not isinstance(e, int) or e < 1 for e in self.experts):
             raise UserError(f"expert counts must be positive integers, got {list(self.experts)}", flag="--experts")
         if len(self.experts) not in (1, self.layers):
@@ -192,22 +190,12 @@ class DeepSpeedRunConfig:
 
 
 def preset_names() -> list[str]:
-    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+    return shared_config.preset_names(KIND)
 
 
 def load_preset(name: str) -> dict:
     """experiments/deepspeed/<name>.json: a flat dict of DeepSpeedRunConfig fields."""
-    path = PRESET_DIR / f"{name}.json"
-    if not path.is_file():
-        raise UserError(f"unknown preset {name!r}; available: {', '.join(preset_names()) or 'none'}",
-                        flag="--preset")
-    values = json.loads(path.read_text())
-    values.pop("description", None)
-    fields = {f.name for f in dataclasses.fields(DeepSpeedRunConfig)}
-    unknown = sorted(set(values) - fields)
-    if unknown:
-        raise UserError(f"preset {path} has unknown keys {unknown}", flag="--preset")
-    return values
+    return shared_config.load_preset(KIND, name, DeepSpeedRunConfig)
 
 
 def load_ds_config(path: str) -> dict:

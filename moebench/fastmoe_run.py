@@ -14,12 +14,12 @@ then follow the one-process loss curve (see moebench/distributed/expert_parallel
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 
 import torch
 
+from moebench import config as shared_config
 from moebench import results
 from moebench.distributed.launch import RankContext, under_torchrun
 from moebench.errors import UserError
@@ -29,7 +29,6 @@ from moebench.models.transformer import build_transformer, count_params
 from moebench.train import LoopSpec, execute_run, loss_summary, train_loop
 
 KIND = "fastmoe"
-PRESET_DIR = Path(__file__).resolve().parents[1] / "experiments" / KIND
 EVAL_SEED_OFFSET = 1_000_003
 """The held-out batch is drawn from seed + this, so it never overlaps the training batches."""
 
@@ -79,9 +78,7 @@ class FastMoERunConfig:
                     "--d-hidden": self.d_hidden, "--experts": self.experts, "--top-k": self.top_k,
                     "--steps": self.steps, "--batch-size": self.batch_size, "--seq-len": self.seq_len,
                     "--train-batches": self.train_batches, "--world-size": self.world_size}
-        for flag, value in positive.items():
-            if not isinstance(value, int) or value < 1:
-                raise UserError(f"must be a positive integer, got {value!r}", flag=flag)
+        shared_config.require_positive_ints(positive)
         if not self.lr > 0:
             raise UserError(f"must be positive, got {self.lr}", flag="--lr")
         if self.aux_loss_coef < 0:
@@ -121,20 +118,11 @@ class FastMoERunConfig:
 
 
 def preset_names() -> list[str]:
-    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+    return shared_config.preset_names(KIND)
 
 
 def load_preset(name: str) -> dict:
-    path = PRESET_DIR / f"{name}.json"
-    if not path.is_file():
-        raise UserError(f"unknown preset {name!r}; available: {', '.join(preset_names()) or 'none'}",
-                        flag="--preset")
-    values = json.loads(path.read_text())
-    fields = {f.name for f in dataclasses.fields(FastMoERunConfig)}
-    unknown = sorted(set(values) - fields)
-    if unknown:
-        raise UserError(f"preset {path} has unknown keys {unknown}", flag="--preset")
-    return values
+    return shared_config.load_preset(KIND, name, FastMoERunConfig)
 
 
 def resolve_config(preset: str, overrides: dict) -> FastMoERunConfig:

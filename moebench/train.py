@@ -135,8 +135,12 @@ def execute_run(
     timeout_s: float = 24 * 3600.0,
     results_root: str | os.PathLike | None = None,
     env_summary: Callable[[], dict] | None = None,
+    label: str | None = None,
 ) -> RunOutcome:
-    """Create the run folder, run `rank_fn` on every rank, record the outcome. See module doc."""
+    """Create the run folder, run `rank_fn` on every rank, record the outcome. See module doc.
+
+    `label` names the run in the plot title (e.g. "fastmoe (reference backend)"); default `kind`.
+    """
     writer = not under_torchrun() or int(os.environ["RANK"]) == 0
     run = results.RunDir.create(kind, name, results_root) if writer else None
     if run is not None:
@@ -172,17 +176,17 @@ def execute_run(
     summary = {"kind": kind, "run_id": run.run_id if run else None,
                "wall_time_s": time.time() - started, **rank_summary}
     if run is not None:
-        _plot(run)
+        _plot(run, title=f"{label or kind}  {run.run_id}")
         run.finish(results.STATUS_OK, summary)
     return RunOutcome(run_path=run_path, summary={"status": results.STATUS_OK, **summary})
 
 
-def _plot(run: results.RunDir) -> None:
+def _plot(run: results.RunDir, *, title: str) -> None:
     from moebench import report
 
     metrics = run.path / "metrics.jsonl"
     if metrics.exists():
-        report.plot_loss(results.read_jsonl(metrics), run.path / "loss.png", title=run.run_id)
+        report.plot_loss(results.read_jsonl(metrics), run.path / "loss.png", title=title)
 
 
 def _default_env_summary() -> dict:

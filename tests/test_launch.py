@@ -182,3 +182,16 @@ def test_under_torchrun_each_process_is_one_rank(tmp_path):
     for res in results:
         assert res["status"] == "ok"
         assert [r["torchrun"] for r in res["returns"]] == [True, True]
+
+
+def _abort_on_rank_one(ctx):
+    if ctx.rank == 1:
+        os.abort()  # what gloo does to a rank on a collective mismatch
+    dist.barrier()
+
+
+def test_a_rank_killed_by_a_fatal_signal_reports_its_stack(no_leftover_children):
+    result = launch(_abort_on_rank_one, 2, timeout_s=30)
+    assert result.status == "failed"
+    assert "killed by SIGABRT" in result.errors[1]
+    assert "_abort_on_rank_one" in result.errors[1]  # the Python stack faulthandler wrote

@@ -29,7 +29,8 @@ def refuse_op_builds(monkeypatch, tmp_path):
 
 
 def test_two_rank_expert_parallel_run(tmp_path, refuse_op_builds, no_leftover_children):
-    config = deepspeed_run.resolve_config("quick", {"world_size": 2, "ep_size": 2, "zero_stage": 1})
+    config = deepspeed_run.resolve_config("quick", {"world_size": 2, "ep_size": 2, "zero_stage": 1,
+                                                    "timeout_s": 180})
     outcome = deepspeed_run.run(config, results_root=tmp_path / "results", show_progress=False)
     summary = results.read_json(outcome.run_path / "summary.json")
     assert summary["status"] == "ok" and summary["world_size"] == 2 and summary["ep_size"] == 2

@@ -59,7 +59,6 @@ def _fmt(x: Optional[float]) -> str:
 
 def _print_table(summary: dict) -> None:
     from rich import box
-    from rich.console import Console
     from rich.table import Table
 
     console = _console()

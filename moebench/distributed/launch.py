@@ -26,10 +26,12 @@ import ctypes
 import dataclasses
 import datetime
 import faulthandler
+import gc
 import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
+import shutil
 import signal
 import sys
 import tempfile
@@ -173,6 +175,10 @@ def _launch_local(fn, args, world_size, backend, timeout_s, label, env, method) 
     start = time.monotonic()
     pg_timeout_s = max(1.0, timeout_s * PG_TIMEOUT_FRACTION)
     ctx = mp.get_context(method)
+    # Collect garbage here, where its threads live: a forked child that finalises an inherited
+    # object (a destroyed process group still in a reference cycle) would wait forever on threads
+    # that did not survive the fork.
+    gc.collect()
     workdir = Path(tempfile.mkdtemp(prefix="moebench-launch-"))
     procs: list[mp.process.BaseProcess] = []
     status = "ok"
@@ -204,9 +210,9 @@ def _launch_local(fn, args, world_size, backend, timeout_s, label, env, method) 
                 _dump_and_kill(alive)
                 break
             mp.connection.wait([p.sentinel for p in alive], timeout=min(0.5, limit - now))
-    except KeyboardInterrupt:
-        status = "interrupted"
+    except BaseException:  # Ctrl-C, SIGTERM, or a failure to start: no rank outlives this call
         _kill_all(procs)
+        shutil.rmtree(workdir, ignore_errors=True)
         raise
     finally:
         _kill_all(procs)
@@ -220,14 +226,18 @@ def _launch_local(fn, args, world_size, backend, timeout_s, label, env, method) 
             returns[rank] = payload["value"]
         elif payload is not None:
             errors[rank] = payload["error"]
-        elif rank not in stuck:
-            errors[rank] = f"rank {rank} died without a result (exit code {p.exitcode})"
         stack_file = workdir / f"stacks{rank}.txt"
-        if rank in stuck and stack_file.exists():
-            stacks[rank] = stack_file.read_text(errors="replace") or "(no stack written)"
+        stack_text = stack_file.read_text(errors="replace") if stack_file.exists() else ""
+        if payload is None and rank not in stuck:
+            # Killed by a signal or a fatal error (gloo aborts a rank on a collective mismatch):
+            # faulthandler wrote its Python stack on the way down.
+            errors[rank] = (f"rank {rank} died without a result ({_describe_exit(p.exitcode)})"
+                            + (f"; its stack:\n{stack_text}" if stack_text else ""))
+        if rank in stuck:
+            stacks[rank] = stack_text or "(no stack written)"
     if status == "ok" and errors:
         status = "failed"
-    _rmtree(workdir)
+    shutil.rmtree(workdir, ignore_errors=True)
     return LaunchResult(
         status=status, world_size=world_size, backend=backend, returns=returns, errors=errors,
         stacks=stacks, stuck_ranks=stuck, elapsed_s=time.monotonic() - start, label=label,
@@ -235,6 +245,8 @@ def _launch_local(fn, args, world_size, backend, timeout_s, label, env, method) 
 
 
 def _child_main(fn, args, rank, world_size, backend, pg_timeout_s, workdir, env) -> None:
+    # Objects inherited through fork are never garbage-collected here (see gc.collect above).
+    gc.freeze()
     _die_with_parent()
     # Only the parent handles Ctrl-C; it kills the ranks. Ranks printing KeyboardInterrupt
     # tracebacks of their own would bury the one line that matters.
@@ -242,7 +254,8 @@ def _child_main(fn, args, rank, world_size, backend, pg_timeout_s, workdir, env)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ.update(env)
     stack_file = open(Path(workdir) / f"stacks{rank}.txt", "w")
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)  # the deadline's dump
+    faulthandler.enable(file=stack_file, all_threads=True)  # a fatal signal's dump (SIGABRT, SIGSEGV)
     # Oversubscribed ranks (16 on 2 cores) crawl when each also spawns a full intra-op pool.
     torch.set_num_threads(1)
     device = "cpu"
@@ -296,6 +309,12 @@ def _rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
         "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
         "MOEBENCH_LOCAL_LAUNCH": "1",
     }
+
+
+def _describe_exit(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        return f"killed by {signal.Signals(-exitcode).name}"
+    return f"exit code {exitcode}"
 
 
 def _write_payload(workdir: str, rank: int, payload: dict) -> None:
@@ -360,12 +379,6 @@ def _install_sigterm_as_interrupt():
         return signal.signal(signal.SIGTERM, handler)
     except ValueError:  # not the main thread: leave SIGTERM alone
         return signal.getsignal(signal.SIGTERM)
-
-
-def _rmtree(path: Path) -> None:
-    for child in path.iterdir():
-        child.unlink(missing_ok=True)
-    path.rmdir()
 
 
 # --------------------------------------------------------------------------- torchrun

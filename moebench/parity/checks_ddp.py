@@ -94,7 +94,6 @@ def _adam_case(ctx, opts, wrap, label, model_name, make_model, make_batch, loss_
 
 def _rank_adam(ctx, opts: CheckOptions) -> list:
     wrap, label = impl_or_default(opts, "ddp", default_ddp)
-    w = ctx.world_size
 
     def linear_batch(seed):
         return (torch.randn(LINEAR_ROWS, 2, generator=torch.Generator().manual_seed(seed)),)
