@@ -35,6 +35,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -42,6 +43,8 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from moebench.errors import UserError
 
 # After one rank fails, the others get this long to finish or fail on their own (their collective
 # with the dead rank errors out in gloo quickly) before their stacks are dumped and they are killed.
@@ -252,7 +255,11 @@ def _child_main(fn, args, rank, world_size, backend, pg_timeout_s, workdir, env)
     # tracebacks of their own would bury the one line that matters.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # A rank's output is never moebench's result: keep stdout clean for `--json`.
+    os.dup2(2, 1)
     os.environ.update(env)
+    # torch reads TORCH_DISTRIBUTED_DEBUG once at import, which happened before the fork.
+    dist.set_debug_level_from_env()
     stack_file = open(Path(workdir) / f"stacks{rank}.txt", "w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)  # the deadline's dump
     faulthandler.enable(file=stack_file, all_threads=True)  # a fatal signal's dump (SIGABRT, SIGSEGV)
@@ -384,6 +391,10 @@ def _install_sigterm_as_interrupt():
 # --------------------------------------------------------------------------- torchrun
 
 
+_RESULTS_GROUP = None
+"""Under torchrun: the gloo group that carries every rank's return value (see below)."""
+
+
 def _destroy_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -396,27 +407,45 @@ def _run_as_torchrun_rank(fn, args, backend, timeout_s, label) -> LaunchResult:
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     backend = resolve_backend(backend, local_world)
+    global _RESULTS_GROUP
     if not dist.is_initialized():
+        for var in ("MASTER_ADDR", "MASTER_PORT"):
+            if var not in os.environ:
+                raise UserError(f"RANK and WORLD_SIZE are set but {var} is not: start moebench under "
+                                "torchrun, or unset RANK and WORLD_SIZE to let it start its own ranks")
         pg_timeout = datetime.timedelta(seconds=max(1.0, timeout_s * PG_TIMEOUT_FRACTION))
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
         dist.init_process_group(backend, init_method="env://", timeout=pg_timeout)
         # Tear the group down before interpreter exit: a live gloo group aborts in its destructor.
         atexit.register(_destroy_process_group)
+    if _RESULTS_GROUP is None:
+        # Results travel on a group of their own: a rank that failed mid-function must not meet its
+        # peers' pending collectives on the default group (gloo aborts on such a mismatch).
+        _RESULTS_GROUP = dist.new_group(backend="gloo")
     device = f"cuda:{local_rank}" if backend == "nccl" else "cpu"
     ctx = RankContext(rank=rank, world_size=world_size, local_rank=local_rank, backend=backend,
                       device=device, under_torchrun=True)
-    # A hang inside fn: dump every thread's stack and exit, so torchrun tears the job down.
+    # A hang inside fn: name it, dump every thread's stack and exit, so torchrun tears the job
+    # down. (faulthandler's watchdog needs no GIL; the Timer only adds the line naming the work.)
+    announce = threading.Timer(max(0.0, timeout_s - 0.2), lambda: print(
+        f"[moebench rank {rank}] {label or 'launch'}: deadline of {timeout_s:.0f} s passed; "
+        "stacks follow, then this rank exits", file=sys.stderr, flush=True))
+    announce.daemon = True
+    announce.start()
     faulthandler.dump_traceback_later(timeout_s, exit=True)
     try:
         try:
             payload = {"ok": True, "value": fn(ctx, *args)}
         except Exception:  # noqa: BLE001
             payload = {"ok": False, "error": traceback.format_exc()}
+            # Say it now: if a peer is stuck, the gather below waits for the group timeout.
+            print(f"[moebench rank {rank}] {label or 'launch'} raised:\n{payload['error']}", file=sys.stderr, flush=True)
         gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered, payload)
+        dist.all_gather_object(gathered, payload, group=_RESULTS_GROUP)
     finally:
         faulthandler.cancel_dump_traceback_later()
+        announce.cancel()
     errors = {r: p["error"] for r, p in enumerate(gathered) if not p["ok"]}
     returns = [p["value"] if p["ok"] else None for p in gathered]
     return LaunchResult(
