@@ -195,3 +195,33 @@ def test_a_rank_killed_by_a_fatal_signal_reports_its_stack(no_leftover_children)
     assert result.status == "failed"
     assert "killed by SIGABRT" in result.errors[1]
     assert "_abort_on_rank_one" in result.errors[1]  # the Python stack faulthandler wrote
+
+
+_RAISING_SCRIPT = """
+import json, os, torch, torch.distributed as dist
+from moebench.distributed.launch import launch
+def f(ctx):
+    if ctx.rank == 1:
+        raise ValueError("rank one broke")
+    t = torch.ones(1); dist.all_reduce(t)  # the others wait here for rank 1 until the group timeout
+    return t.item()
+if __name__ == "__main__":
+    r = launch(f, 3, timeout_s=8, label="demo")
+    with open(os.path.join(os.environ["OUT_DIR"], "result-%s.json" % os.environ["RANK"]), "w") as fh:
+        json.dump({"status": r.status, "errors": r.errors}, fh)
+"""
+
+
+def test_under_torchrun_a_raising_rank_reaches_every_rank(tmp_path):
+    """Results travel on their own group, so the failure is gathered instead of aborting gloo."""
+    script = tmp_path / "r.py"
+    script.write_text(_RAISING_SCRIPT)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
+                          "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", str(script)],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "OUT_DIR": str(tmp_path)})
+    assert "[moebench rank 1] demo raised" in out.stderr  # printed at once, not only after the gather
+    results = _results_in(tmp_path)
+    assert len(results) == 3
+    for res in results:
+        assert res["status"] == "failed"
+        assert "ValueError: rank one broke" in res["errors"]["1"]
