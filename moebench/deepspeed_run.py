@@ -127,9 +127,15 @@ class DeepSpeedRunConfig:
             raise UserError(f"gives {len(self.experts)} expert counts for {self.layers} MoE layers; "
                             f"give one count, or one per layer (or set --layers {len(self.experts)})",
                             flag="--experts")
-        if self.zero_stage not in SUPPORTED_ZERO_STAGES:
-            raise UserError(f"stage {self.zero_stage} is not supported: DeepSpeed's native MoE does not "
+        if isinstance(self.zero_stage, bool) or not isinstance(self.zero_stage, int):
+            raise UserError(f"must be an integer ZeRO stage (0, 1 or 2), got {self.zero_stage!r}",
+                            flag="--zero-stage")
+        if self.zero_stage == 3:
+            raise UserError("stage 3 is not supported: DeepSpeed's native MoE does not "
                             "support ZeRO stage 3; use --zero-stage 0, 1 or 2", flag="--zero-stage")
+        if self.zero_stage not in SUPPORTED_ZERO_STAGES:
+            raise UserError(f"unknown ZeRO stage {self.zero_stage} (DeepSpeed has stages 0-3); "
+                            "use --zero-stage 0, 1 or 2", flag="--zero-stage")
         if self.world_size % self.ep_size:
             raise UserError(f"ep_size {self.ep_size} does not divide the world size {self.world_size}; "
                             "pick --ep-size dividing --world-size", flag="--ep-size")
@@ -155,8 +161,11 @@ class DeepSpeedRunConfig:
             raise UserError(f"each rank routes {self.batch}x{self.seq}={self.tokens_per_rank} tokens per step, "
                             f"fewer than --min-capacity {self.min_capacity}; lower --min-capacity or raise "
                             "--batch / --seq", flag="--min-capacity")
-        for flag, value in (("--capacity-factor", self.capacity_factor),
-                            ("--eval-capacity-factor", self.eval_capacity_factor), ("--lr", self.lr)):
+        positive_floats = {"--capacity-factor": self.capacity_factor,
+                           "--eval-capacity-factor": self.eval_capacity_factor, "--lr": self.lr,
+                           "--timeout": self.timeout_s}
+        shared_config.require_finite({**positive_floats, "--aux-loss-coef": self.aux_loss_coef})
+        for flag, value in positive_floats.items():
             if not value > 0:
                 raise UserError(f"must be positive, got {value}", flag=flag)
         if not self.aux_loss_coef >= 0:
@@ -170,8 +179,11 @@ class DeepSpeedRunConfig:
                             flag="--samples")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise UserError(f"unknown backend {self.backend!r}; use auto, gloo or nccl", flag="--backend")
-        if not self.timeout_s > 0:
-            raise UserError(f"must be positive, got {self.timeout_s}", flag="--timeout")
+        if self.backend == "nccl":  # checked here: otherwise every rank fails after the run folder exists
+            ranks = shared_config.local_ranks(self.world_size)
+            shared_config.require_gpus(ranks, flag="--backend", why=f"nccl on {ranks} local rank(s)",
+                                       need_nccl=True, fix="use --backend gloo or auto")
+        shared_config.require_seed(self.seed)
 
     @property
     def experts_per_layer(self) -> tuple[int, ...]:
@@ -233,6 +245,19 @@ def _get(tree: dict, path: tuple[str, ...]):
     return tree
 
 
+def _require_objects_along(tree: dict, path: tuple[str, ...], ds_path: str) -> None:
+    """UserError unless every key above `path`'s leaf that the file has holds a JSON object
+    (moebench writes the leaf: {"optimizer": "Adam"} would leave it nowhere to go)."""
+    for depth, key in enumerate(path[:-1]):
+        if key not in tree:
+            return
+        tree = tree[key]
+        if not isinstance(tree, dict):
+            raise UserError(f"{'.'.join(path[:depth + 1])} in {ds_path} must be a JSON object (holding "
+                            f"{'.'.join(path[depth + 1:])}), got {json.dumps(tree)}; fix the file",
+                            flag="--ds-config")
+
+
 def _set(tree: dict, path: tuple[str, ...], value) -> None:
     for key in path[:-1]:
         tree = tree.setdefault(key, {})
@@ -264,6 +289,7 @@ def resolve_config(preset: str, overrides: dict) -> DeepSpeedRunConfig:
         user = load_ds_config(ds_path)
         values["ds_config_file"] = user
         for path, (field, flag) in FLAG_OWNED_KEYS.items():
+            _require_objects_along(user, path, ds_path)  # the value's own type is checked by the config
             value = _get(user, path)
             if value is None:
                 continue
@@ -420,21 +446,22 @@ def build_model(config: DeepSpeedRunConfig, *, ep_rank: int = 0):
 
 def random_dataset(config: DeepSpeedRunConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """`samples` standard-normal (input, target) sequences [samples, seq, d_model], from the seed."""
-    gen = torch.Generator().manual_seed(config.seed + DATA_SEED_OFFSET)
+    gen = torch.Generator().manual_seed(shared_config.derived_seed(config.seed + DATA_SEED_OFFSET))
     shape = (config.samples, config.seq, config.d_model)
     return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
 
 
 def held_out_batch(config: DeepSpeedRunConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """The (batch, seq, d_model) test batch and its target - (32, 8, 512) with the chapter's sizes."""
-    gen = torch.Generator().manual_seed(config.seed + TEST_SEED_OFFSET)
+    gen = torch.Generator().manual_seed(shared_config.derived_seed(config.seed + TEST_SEED_OFFSET))
     shape = (config.batch, config.seq, config.d_model)
     return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
 
 
 def epoch_order(config: DeepSpeedRunConfig, epoch: int) -> torch.Tensor:
     """The sample order of one epoch (same on every rank; rank r takes its slice of each step)."""
-    return torch.randperm(config.samples, generator=torch.Generator().manual_seed(config.seed * 7919 + epoch))
+    seed = shared_config.derived_seed(config.seed * 7919 + epoch)
+    return torch.randperm(config.samples, generator=torch.Generator().manual_seed(seed))
 
 
 class RoutingTotals:
@@ -445,6 +472,8 @@ class RoutingTotals:
         self.kept = [torch.zeros(e, dtype=torch.int64) for e in experts_per_layer]
         self.routes = torch.zeros(len(experts_per_layer), dtype=torch.int64)
         self.dropped = torch.zeros(len(experts_per_layer), dtype=torch.int64)
+        self.tokens = torch.zeros(len(experts_per_layer), dtype=torch.int64)
+        self.dropped_tokens = torch.zeros(len(experts_per_layer), dtype=torch.int64)
         self.capacity: list[set[int]] = [set() for _ in experts_per_layer]
 
     def add(self, layers) -> None:
@@ -454,19 +483,22 @@ class RoutingTotals:
             self.kept[i] += rec.kept_per_expert
             self.routes[i] += rec.routes
             self.dropped[i] += rec.dropped
+            self.tokens[i] += rec.tokens
+            self.dropped_tokens[i] += rec.dropped_tokens
             self.capacity[i].add(rec.capacity)
 
     def summary(self, world_size: int) -> dict:
         """Summed over ranks (a collective when world_size > 1: every rank must call it)."""
-        flat = torch.cat([*self.exp_counts, *self.kept, self.routes, self.dropped])
+        counters = (*self.exp_counts, *self.kept, self.routes, self.dropped, self.tokens, self.dropped_tokens)
+        flat = torch.cat(counters)
         if world_size > 1:
             import torch.distributed as dist
 
             dist.all_reduce(flat)
-        sizes = [t.numel() for t in (*self.exp_counts, *self.kept, self.routes, self.dropped)]
-        parts = list(torch.split(flat, sizes))
+        parts = list(torch.split(flat, [t.numel() for t in counters]))
         n = len(self.exp_counts)
-        exp_counts, kept, routes, dropped = parts[:n], parts[n:2 * n], parts[2 * n], parts[2 * n + 1]
+        exp_counts, kept = parts[:n], parts[n:2 * n]
+        routes, dropped, tokens, dropped_tokens = parts[2 * n:]
         per_layer = []
         for i in range(n):
             caps = sorted(self.capacity[i])
@@ -474,12 +506,18 @@ class RoutingTotals:
                 "layer": i, "experts": int(exp_counts[i].numel()),
                 "capacity_per_expert": caps[0] if len(caps) == 1 else {"min": caps[0], "max": caps[-1]},
                 "exp_counts": exp_counts[i].tolist(), "tokens_kept_per_expert": kept[i].tolist(),
-                "routes": int(routes[i]), "dropped": int(dropped[i]),
-                "dropped_token_frac": float(dropped[i]) / float(routes[i]) if int(routes[i]) else 0.0,
+                **_drop_fractions(routes[i], dropped[i], tokens[i], dropped_tokens[i]),
             })
-        total_routes, total_dropped = int(routes.sum()), int(dropped.sum())
-        return {"dropped_token_frac": total_dropped / total_routes if total_routes else 0.0,
-                "routes": total_routes, "dropped": total_dropped, "per_layer": per_layer}
+        return {**_drop_fractions(routes.sum(), dropped.sum(), tokens.sum(), dropped_tokens.sum()),
+                "per_layer": per_layer}
+
+
+def _drop_fractions(routes, dropped, tokens, dropped_tokens) -> dict:
+    """Routes evicted at capacity, and tokens that lost ALL k of their routes (the same for k=1)."""
+    routes, dropped, tokens, dropped_tokens = int(routes), int(dropped), int(tokens), int(dropped_tokens)
+    return {"routes": routes, "dropped": dropped, "dropped_route_frac": dropped / routes if routes else 0.0,
+            "tokens": tokens, "dropped_tokens": dropped_tokens,
+            "dropped_token_frac": dropped_tokens / tokens if tokens else 0.0}
 
 
 # --------------------------------------------------------------------------- the rank function
@@ -528,7 +566,7 @@ def deepspeed_rank(ctx: RankContext, run_path, config_dict: dict, show_progress:
         t0 = time.perf_counter()
         engine, _optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config)
         timings["deepspeed_initialize_s"] = time.perf_counter() - t0
-        torch.manual_seed(config.seed + 1 + rank)  # gate noise / RTS: reproducible, distinct per rank
+        shared_config.seed_rank_randomness(config.seed, rank)  # gate noise / RTS: distinct per rank
         device = engine.device
         layers = moe_layers(model)
         inputs, targets = random_dataset(config)
@@ -549,16 +587,18 @@ def deepspeed_rank(ctx: RankContext, run_path, config_dict: dict, show_progress:
             engine.backward(mse + config.aux_loss_coef * aux)
             engine.step()
             totals.add(layers)
-            step_dropped = sum(layer.last.dropped for layer in layers)
-            step_routes = sum(layer.last.routes for layer in layers)
+            counts = [sum(getattr(layer.last, name) for layer in layers)
+                      for name in ("routes", "dropped", "tokens", "dropped_tokens")]
             # One small collective per step: the loss of the global batch, not of rank 0's share.
-            stats = torch.tensor([mse.item(), aux.item(), step_dropped, step_routes], dtype=torch.float64)
+            stats = torch.tensor([mse.item(), aux.item(), *counts], dtype=torch.float64)
             if world > 1:
                 dist.all_reduce(stats)
             mse_avg, aux_avg = stats[0].item() / world, stats[1].item() / world
             total_losses.append(mse_avg + config.aux_loss_coef * aux_avg)
-            return {"loss": mse_avg, "aux_loss": aux_avg, "total_loss": total_losses[-1],
-                    "dropped_token_frac": stats[2].item() / stats[3].item() if stats[3] else 0.0}
+            drops = _drop_fractions(*stats[2:].tolist())
+            return {"backend": KIND, "loss": mse_avg, "aux_loss": aux_avg, "total_loss": total_losses[-1],
+                    "dropped_route_frac": drops["dropped_route_frac"],
+                    "dropped_token_frac": drops["dropped_token_frac"]}
 
         spec = LoopSpec(epochs=config.epochs, steps_per_epoch=config.steps_per_epoch,
                         tokens_per_step=config.batch * config.seq * world, label="deepspeed-moe")
@@ -607,4 +647,5 @@ def run(config: DeepSpeedRunConfig, *, results_root=None, show_progress: bool = 
     record = {**dataclasses.asdict(config), "ds_config": build_ds_config(config)}
     return execute_run(kind=KIND, name=config.preset, config=record, world_size=config.world_size,
                        rank_fn=deepspeed_rank, rank_args=(dataclasses.asdict(config), show_progress),
-                       backend=config.backend, timeout_s=config.timeout_s, results_root=results_root)
+                       backend=config.backend, timeout_s=config.timeout_s, results_root=results_root,
+                       label="deepspeed (deepspeed.moe.layer.MoE)")

@@ -79,6 +79,8 @@ class FastMoERunConfig:
                     "--steps": self.steps, "--batch-size": self.batch_size, "--seq-len": self.seq_len,
                     "--train-batches": self.train_batches, "--world-size": self.world_size}
         shared_config.require_positive_ints(positive)
+        shared_config.require_finite({"--lr": self.lr, "--aux-loss-coef": self.aux_loss_coef})
+        shared_config.require_seed(self.seed)
         if not self.lr > 0:
             raise UserError(f"must be positive, got {self.lr}", flag="--lr")
         if self.aux_loss_coef < 0:
@@ -105,8 +107,13 @@ class FastMoERunConfig:
             raise UserError(f"unknown backend {self.backend!r}; use one of {', '.join(BACKENDS)}", flag="--backend")
         if self.device not in ("cpu", "cuda", "auto"):
             raise UserError(f"unknown device {self.device!r}; use cpu, cuda or auto", flag="--device")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise UserError("torch sees no CUDA GPU here; use --device cpu", flag="--device")
+        if self.device == "cuda":
+            # An error, not a fallback: with fewer GPUs than ranks (or no NCCL) the launcher would
+            # quietly train every rank on CPU over gloo.
+            ranks = shared_config.local_ranks(self.world_size)
+            shared_config.require_gpus(ranks, flag="--device", why=f"--device cuda on {ranks} local rank(s)",
+                                       need_nccl=self.world_size > 1,
+                                       fix="use --device cpu, or auto (CUDA only where it fits)")
 
     @property
     def num_local_experts(self) -> int:
@@ -133,7 +140,9 @@ def resolve_config(preset: str, overrides: dict) -> FastMoERunConfig:
         values["world_size"] = int(os.environ["WORLD_SIZE"])
     config = FastMoERunConfig(**values)
     if config.device == "auto":
-        config = dataclasses.replace(config, device="cuda" if torch.cuda.is_available() else "cpu")
+        fits = shared_config.gpu_shortfall(shared_config.local_ranks(config.world_size),
+                                           need_nccl=config.world_size > 1) is None
+        config = dataclasses.replace(config, device="cuda" if fits else "cpu")
     backend = resolve_backend(config.backend, device=config.device, world_size=config.world_size)
     return dataclasses.replace(config, backend=backend)
 
@@ -192,6 +201,9 @@ def fastmoe_rank(ctx: RankContext, run_path, config_dict: dict, show_progress: b
     config = FastMoERunConfig(**config_dict)
     device = ctx.device if ctx.world_size > 1 else config.device
     model = build_rank_model(config, ctx, device)
+    # Every rank built the same weights from the seed; what it draws while training (gate noise,
+    # GShard's random routing) must differ per rank, as it does in fastmoe.
+    shared_config.seed_rank_randomness(config.seed, ctx.rank)
     writer = results.RunDir(Path(run_path)) if (ctx.is_main and run_path) else None
     params = params_table(model, ep_size=ctx.world_size)
     if writer:
@@ -200,7 +212,8 @@ def fastmoe_rank(ctx: RankContext, run_path, config_dict: dict, show_progress: b
     rows = slice(ctx.rank * config.batch_size // ctx.world_size,
                  (ctx.rank + 1) * config.batch_size // ctx.world_size)
     train = random_batches(config, count=config.train_batches, seed=config.seed, device=device)
-    held_out = random_batches(config, count=1, seed=config.seed + EVAL_SEED_OFFSET, device=device)[0]
+    held_out = random_batches(config, count=1, seed=shared_config.derived_seed(config.seed + EVAL_SEED_OFFSET),
+                              device=device)[0]
     inputs, targets = [x for x, _ in train], [y for _, y in train]
     data_range = {"input_min": min(t.min().item() for t in inputs), "input_max": max(t.max().item() for t in inputs),
                   "target_min": min(t.min().item() for t in targets), "target_max": max(t.max().item() for t in targets)}
@@ -226,7 +239,7 @@ def fastmoe_rank(ctx: RankContext, run_path, config_dict: dict, show_progress: b
         if ctx.world_size > 1:
             expert_parallel.sync_gradients(model)
         optimizer.step()
-        return {"loss": global_mean(mse), "aux_loss": global_mean(aux.detach()),
+        return {"backend": config.backend, "loss": global_mean(mse), "aux_loss": global_mean(aux.detach()),
                 "tokens_per_expert": [routed_tokens(m, ctx.world_size) for m in moe_layers]}
 
     spec = LoopSpec(epochs=1, steps_per_epoch=config.steps, tokens_per_step=config.tokens_per_step,
@@ -276,4 +289,5 @@ def run(config: FastMoERunConfig, *, results_root=None, timeout_s: float = 24 * 
     return execute_run(kind=KIND, name=config.preset, config=dataclasses.asdict(config),
                        world_size=config.world_size, rank_fn=fastmoe_rank,
                        rank_args=(dataclasses.asdict(config), show_progress),
-                       timeout_s=timeout_s, results_root=results_root)
+                       timeout_s=timeout_s, results_root=results_root,
+                       label=f"fastmoe ({config.backend} backend)")

@@ -173,6 +173,22 @@ def test_noisy_gate_pairs_each_slot_with_its_own_token_for_k_above_one():
     assert torch.allclose(layer.moe_forward(x, idx, score), brute_force(layer, x, idx, score), atol=OUTPUT_ATOL)
 
 
+def test_noisy_gate_draws_its_noise_in_eval_too_as_fastmoe_does():
+    # fastmoe scales the noise by `training` (0 in eval) but still calls randn_like, so an eval
+    # pass advances the random stream by exactly one [tokens, experts] normal draw.
+    torch.manual_seed(0)
+    gate = NoisyGate(D_MODEL, 6, 1, top_k=2).eval()
+    x = torch.randn(TOKENS, D_MODEL)
+    torch.manual_seed(11)
+    with torch.no_grad():
+        idx, _ = gate(x)
+    after_gate = torch.rand(3)
+    torch.manual_seed(11)
+    torch.randn(TOKENS, 6)  # fastmoe's draw
+    assert torch.equal(torch.rand(3), after_gate)
+    assert torch.equal(idx, torch.topk(x @ gate.w_gate, 2, dim=1).indices)  # eval logits stay noiseless
+
+
 def test_capacity_gates_respect_capacity():
     torch.manual_seed(6)
     tokens, experts = 64, 4

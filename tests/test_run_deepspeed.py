@@ -39,6 +39,18 @@ BAD_INPUTS = [
     (["--batch", "1", "--seq", "2", "--min-capacity", "4"], "--min-capacity", "fewer than --min-capacity"),
     (["--noisy-gate-policy", "RSample", "--top-k", "2"], "--noisy-gate-policy", "RSample only applies"),
     (["--noisy-gate-policy", "Gaussian"], "--noisy-gate-policy", "unknown policy"),
+    (["--zero-stage", "4"], "--zero-stage", "unknown ZeRO stage 4"),
+    (["--zero-stage", "-1"], "--zero-stage", "unknown ZeRO stage -1"),
+    (["--backend", "nccl"], "--backend", "nccl on 1 local rank(s) needs CUDA GPUs"),
+    (["--backend", "nccl", "--world-size", "2"], "--backend", "use --backend gloo or auto"),
+    (["--seed", "18446744073709551616"], "--seed", "from 0 to 2**63-1"),
+    (["--seed", "-1"], "--seed", "from 0 to 2**63-1"),
+    (["--aux-loss-coef", "nan"], "--aux-loss-coef", "finite"),
+    (["--aux-loss-coef", "inf"], "--aux-loss-coef", "finite"),
+    (["--lr", "inf"], "--lr", "finite"),
+    (["--capacity-factor", "inf"], "--capacity-factor", "finite"),
+    (["--eval-capacity-factor", "nan"], "--eval-capacity-factor", "finite"),
+    (["--timeout", "inf"], "--timeout", "finite"),
 ]
 
 
@@ -61,6 +73,15 @@ DS_CONFIGS = [
     ('{"optimizer": {"type": "Lamb", "params": {"lr": 0.001}}}', [], "optimizer.type='Lamb'"),
     ('{"gradient_accumulation_steps": 4}', [], "gradient_accumulation_steps=4"),
     ('{"train_batch_size": 7}', [], "train_batch_size=7"),
+    # a parent of a flag-owned key that is not an object, or a flag-owned value of the wrong type
+    ('{"optimizer": "Adam"}', [], "optimizer in"),
+    ('{"zero_optimization": 2}', [], "zero_optimization in"),
+    ('{"optimizer": {"params": 5}}', [], "optimizer.params in"),
+    ('{"optimizer": {"params": {"lr": "abc"}}}', [], "must be a finite number, got 'abc'"),
+    ('{"optimizer": {"params": {"lr": 1e999}}}', [], "must be a finite number, got inf"),
+    ('{"zero_optimization": {"stage": "2"}}', [], "must be an integer ZeRO stage (0, 1 or 2), got '2'"),
+    ('{"zero_optimization": {"stage": 4}}', [], "unknown ZeRO stage 4"),
+    ('{"train_micro_batch_size_per_gpu": 2.5}', [], "must be a positive integer, got 2.5"),
 ]
 
 
@@ -81,6 +102,29 @@ def test_missing_ds_config_and_unknown_preset(tmp_path):
         result = runner.invoke(app, ["run", "deepspeed", "--results-dir", str(tmp_path / "r"), *args])
         assert result.exit_code == 2 and result.output.startswith(f"error: {flag}: "), result.output
     assert not (tmp_path / "r").exists()
+
+
+def test_nccl_needs_a_gpu_per_rank_and_nccl(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(UserError, match="needs 2 CUDA GPUs .* torch sees 1") as err:
+        deepspeed_run.resolve_config("quick", {"backend": "nccl", "world_size": 2})
+    assert err.value.flag == "--backend"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
+    with pytest.raises(UserError, match="needs NCCL"):
+        deepspeed_run.resolve_config("quick", {"backend": "nccl", "world_size": 2})
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    assert deepspeed_run.resolve_config("quick", {"backend": "nccl", "world_size": 2}).backend == "nccl"
+
+
+def test_largest_seed_keeps_every_derived_seed_in_range():
+    config = deepspeed_run.resolve_config("quick", {"seed": 2**63 - 1})
+    assert deepspeed_run.epoch_order(config, 4).shape == (config.samples,)  # seed * 7919 + epoch
+    assert deepspeed_run.random_dataset(config)[0].shape[0] == config.samples
+    assert deepspeed_run.held_out_batch(config)[0].shape[0] == config.batch
 
 
 def test_validation_never_imports_deepspeed():
@@ -150,6 +194,7 @@ def test_dropped_tokens_top1_match_a_hand_made_routing():
     y, _ = layer(x)
     rec = layer.last
     assert rec.capacity == 2 and rec.routes == 8 and rec.dropped == 4
+    assert rec.tokens == 8 and rec.dropped_tokens == 4  # k=1: a dropped route is a dropped token
     assert rec.exp_counts.tolist() == [6, 2] and rec.kept_per_expert.tolist() == [2, 2]
     # independent of the gate's masks: a dropped token gets an all-zero MoE output
     assert int((y[0].abs().sum(-1) == 0).sum()) == 4
@@ -158,11 +203,17 @@ def test_dropped_tokens_top1_match_a_hand_made_routing():
 def test_dropped_tokens_top2_match_a_hand_made_routing():
     # capacity = ceil(8 / 2 x 0.5 x 2) = 4 slots. Expert 0: 6 first choices then 2 second choices ->
     # keeps 4 (first choices only); expert 1: 2 first choices then 6 second -> keeps 2 + 2.
+    # Routes dropped: 8 of 16. Tokens dropped: only 4 and 5 lost both routes (first choice past
+    # expert 0's 4 slots, second choice past expert 1's 2 + tokens 0-1): 2 of 8.
     layer, x = _hand_routed_layer(top_k=2)
-    layer(x)
+    y, _ = layer(x)
     rec = layer.last
     assert rec.capacity == 4 and rec.routes == 16 and rec.dropped == 8
+    assert rec.tokens == 8 and rec.dropped_tokens == 2
     assert rec.exp_counts.tolist() == [8, 8] and rec.kept_per_expert.tolist() == [4, 4]
+    assert torch.nonzero(y[0].abs().sum(-1) == 0).flatten().tolist() == [4, 5]
+    fractions = deepspeed_run._drop_fractions(rec.routes, rec.dropped, rec.tokens, rec.dropped_tokens)
+    assert fractions["dropped_route_frac"] == 0.5 and fractions["dropped_token_frac"] == 0.25
 
 
 # --------------------------------------------------------------------------- in-process runs
@@ -222,8 +273,18 @@ def test_quick_run_routing_counts_add_up(quick_runs):
         assert all(k <= c for k, c in zip(layer["tokens_kept_per_expert"], layer["exp_counts"]))
         assert layer["capacity_per_expert"] == max(config.min_capacity,
                                                    -(-config.batch * config.seq * config.capacity_factor // layer["experts"]))
+        assert layer["tokens"] == steps * config.batch * config.seq
+        assert layer["dropped_tokens"] == layer["dropped"]  # top-1
     total = summary["routing"]
-    assert total["dropped_token_frac"] == pytest.approx(total["dropped"] / total["routes"])
+    assert total["dropped"] > 0  # the quick run drops at capacity 1.0: the fractions are not vacuous
+    assert total["dropped_route_frac"] == pytest.approx(total["dropped"] / total["routes"])
+    assert total["dropped_token_frac"] == pytest.approx(total["dropped_tokens"] / total["tokens"])
+    metrics = results.read_jsonl(quick_runs["outcomes"][0].run_path / "metrics.jsonl")
+    assert {m["backend"] for m in metrics} == {"deepspeed"}
+    # every step routes the same number of tokens, so the step fractions average to the total
+    mean = sum(m["dropped_route_frac"] for m in metrics) / len(metrics)
+    assert mean == pytest.approx(total["dropped_route_frac"])
+    assert all(m["dropped_token_frac"] == m["dropped_route_frac"] for m in metrics)
 
 
 def test_params_split_by_category(quick_runs):

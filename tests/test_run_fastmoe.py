@@ -40,6 +40,14 @@ def _run_json(*args: str) -> dict:
     (["--backend", "fmoe"], "--backend"),
     (["--backend", "magic"], "--backend"),
     (["--device", "tpu"], "--device"),
+    (["--device", "cuda"], "--device"),
+    (["--seed", "18446744073709551616"], "--seed"),
+    (["--seed", "-1"], "--seed"),
+    (["--lr", "inf"], "--lr"),
+    (["--lr", "nan"], "--lr"),
+    (["--aux-loss-coef", "nan"], "--aux-loss-coef"),
+    (["--aux-loss-coef", "inf"], "--aux-loss-coef"),
+    (["--timeout", "inf"], "--timeout"),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(args, flag, tmp_path):
     root = tmp_path / "res"
@@ -48,6 +56,30 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(args, flag, tmp_path):
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {flag}:"), result.output
     assert not root.exists()
+
+
+def test_cuda_needs_a_gpu_per_rank_instead_of_falling_back_to_cpu(monkeypatch):
+    import torch
+    import torch.distributed as dist
+
+    from moebench import fastmoe_run
+    from moebench.errors import UserError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(UserError, match="needs 2 CUDA GPUs .* torch sees 1") as err:
+        fastmoe_run.resolve_config("quick", {"device": "cuda", "world_size": 2, "backend": "reference"})
+    assert err.value.flag == "--device"
+    # auto picks CUDA only where every rank gets a GPU
+    assert fastmoe_run.resolve_config("quick", {"device": "auto", "world_size": 2}).device == "cpu"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
+    with pytest.raises(UserError, match="needs NCCL"):
+        fastmoe_run.resolve_config("quick", {"device": "cuda", "world_size": 2, "backend": "reference"})
+
+
+def test_largest_seed_runs():
+    assert _run_json("--steps", "1", "--seed", str(2**63 - 1))["steps"] == 1
 
 
 def test_fmoe_backend_error_says_why():
@@ -68,6 +100,7 @@ def test_quick_run_records_everything():
     metrics = results.read_jsonl(f"{run}/metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, 7))
     assert [m["loss"] for m in metrics] == summary["losses"]
+    assert {m["backend"] for m in metrics} == {"reference"}
     # Every slot goes somewhere: routed tokens per layer sum to batch * seq * top_k.
     per_step = config["batch_size"] * config["seq_len"] * config["top_k"]
     assert all(sum(layer) == per_step for m in metrics for layer in m["tokens_per_expert"])
@@ -84,8 +117,38 @@ def test_same_seed_same_loss_curve_bit_for_bit():
 
 @pytest.mark.parametrize("gate,k", [("gshard", "2"), ("switch", "1"), ("noisy", "2")])
 def test_other_gates_train_with_aux_loss(gate, k):
-    summary = _run_json("--steps", "3", "--gate", gate, "--top-k", k, "--aux-loss-coef", "0.01")
-    assert summary["loss"]["first"] > 0
+    args = ("--steps", "3", "--gate", gate, "--top-k", k)
+    with_aux = _run_json(*args, "--aux-loss-coef", "0.01")
+    metrics = results.read_jsonl(f"{with_aux['run_path']}/metrics.jsonl")
+    assert len(metrics) == 3 and all(m["aux_loss"] > 0 for m in metrics)  # a real balance loss
+    without = _run_json(*args, "--aux-loss-coef", "0")
+    # same weights, data and noise: step 1 (before any update) agrees, then the aux gradient shows
+    assert without["losses"][0] == with_aux["losses"][0]
+    assert without["losses"][1:] != with_aux["losses"][1:]
+
+
+@pytest.mark.multirank
+def test_gate_noise_differs_per_rank(monkeypatch):
+    """Every rank builds the same weights from the seed; what it draws while training must not be
+    the same stream on every rank (fastmoe draws per rank). Probe: the generator right after training."""
+    from moebench import fastmoe_run
+    from moebench.distributed.launch import launch
+
+    real_loop = fastmoe_run.train_loop
+
+    def probed_loop(step_fn, spec, **kwargs):
+        import torch
+
+        history = real_loop(step_fn, spec, **kwargs)
+        return {**history, "losses": [*history["losses"], *torch.rand(4).tolist()]}
+
+    monkeypatch.setattr(fastmoe_run, "train_loop", probed_loop)  # forked ranks inherit it
+    config = fastmoe_run.resolve_config("quick", {"steps": 2, "gate": "switch", "top_k": 1, "world_size": 2})
+    result = launch(fastmoe_run.fastmoe_rank, 2, args=(None, fastmoe_run.dataclasses.asdict(config), False),
+                    timeout_s=300, label="noise probe")
+    assert result.status == "ok", result.describe()
+    probes = [summary["losses"][-4:] for summary in result.returns]
+    assert probes[0] != probes[1]
 
 
 @pytest.mark.multirank

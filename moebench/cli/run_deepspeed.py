@@ -95,10 +95,12 @@ def _print_report(summary: dict, run_path) -> None:
     console.print(f"test batch: input {tuple(test['input_shape'])} -> output {tuple(test['output_shape'])}, "
                   f"loss {test['loss']:.6f}")
     routing = summary["routing"]
-    per_layer = ", ".join(f"layer {r['layer']} {100 * r['dropped_token_frac']:.2f} % (capacity "
-                          f"{r['capacity_per_expert']})" for r in routing["per_layer"])
-    console.print(f"tokens dropped at capacity (training): {100 * routing['dropped_token_frac']:.2f} % "
-                  f"of {routing['routes']:,} routes [{per_layer}]")
+    per_layer = ", ".join(f"layer {r['layer']} {100 * r['dropped_route_frac']:.2f} % / "
+                          f"{100 * r['dropped_token_frac']:.2f} % (capacity {r['capacity_per_expert']})"
+                          for r in routing["per_layer"])
+    console.print(f"dropped at capacity (training): {100 * routing['dropped_route_frac']:.2f} % of "
+                  f"{routing['routes']:,} routes, {100 * routing['dropped_token_frac']:.2f} % of "
+                  f"{routing['tokens']:,} tokens lost every route [routes / tokens: {per_layer}]")
     t = summary["timings"]
     console.print(f"wall {summary['wall_time_s']:.1f} s: import deepspeed {t['import_deepspeed_s']:.1f} s, "
                   f"init_distributed {t['init_distributed_s']:.2f} s, deepspeed.initialize "

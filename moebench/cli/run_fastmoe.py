@@ -35,8 +35,10 @@ def run_fastmoe(
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON only."),
 ) -> None:
     """Train the fastmoe Transformer-MoE on random data and compare with the chapter."""
+    from moebench import config as shared_config
     from moebench import fastmoe_run  # imports torch: keep `moebench --help` fast
 
+    shared_config.require_finite({"--timeout": timeout})
     if not timeout > 0:
         raise UserError(f"must be positive, got {timeout}", flag="--timeout")
     config = fastmoe_run.resolve_config(preset, dict(

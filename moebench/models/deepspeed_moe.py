@@ -5,8 +5,9 @@ expert parallelism) and only:
 - returns (y, l_aux) as the block's MLP contract asks (DeepSpeed returns (y, l_aux, exp_counts));
 - records what the gate decided on every forward, read from the gate's own outputs through a
   forward hook: `exp_counts` (demand per expert, BEFORE capacity drops), the capacity of each
-  expert's buffer, the routes kept per expert and the routes dropped at capacity (DeepSpeed marks
-  an evicted route with expert index -1 in the sparse routing it hands to the dispatcher);
+  expert's buffer, the routes kept per expert, the routes dropped at capacity (DeepSpeed marks
+  an evicted route with expert index -1 in the sparse routing it hands to the dispatcher) and the
+  tokens that lost all k routes;
 - gives every global expert its own seeded initial weights. DeepSpeed deep-copies ONE expert
   module into every local slot, so out of the box all experts start identical, and expert g's
   weights would depend on which rank holds it. Seeding by (seed, layer, global expert index)
@@ -78,6 +79,10 @@ class RoutingRecord:
     """Token-to-expert routes requested: tokens x k."""
     dropped: int
     """Routes evicted at capacity."""
+    tokens: int
+    """Tokens routed (this rank's batch x seq)."""
+    dropped_tokens: int
+    """Tokens all of whose k routes were evicted: their MoE output is zero."""
 
 
 def make_expert(d_model: int, d_hidden: int) -> nn.Module:
@@ -149,14 +154,16 @@ class DeepSpeedMoEMLP(nn.Module):
         # MOELayer asks the gate for sparse routes: (l_aux, capacity, experts, indices [k, s],
         # locations [k, s], gates [k, s], exp_counts). A route evicted at capacity has index -1.
         _l_aux, capacity, num_experts, indices, _locations, _gates, exp_counts = output
-        indices = indices.detach().reshape(-1).long()
-        kept = indices[indices >= 0]
+        routes = indices.detach().long()  # [k, tokens]
+        kept = routes[routes >= 0]
         self.last = RoutingRecord(
             exp_counts=exp_counts.detach().to("cpu", torch.int64),
             kept_per_expert=torch.bincount(kept, minlength=int(num_experts)).to("cpu", torch.int64),
             capacity=int(capacity),
-            routes=int(indices.numel()),
-            dropped=int((indices < 0).sum()),
+            routes=int(routes.numel()),
+            dropped=int((routes < 0).sum()),
+            tokens=int(routes.shape[-1]),
+            dropped_tokens=int((routes < 0).all(dim=0).sum()),
         )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,8 @@ Points where moebench differs from fastmoe on purpose (each said where it happen
 - NoisyGate returns `[N, k]` indices and scores like the other gates. fastmoe's returns indices
   flattened to `[N * k]`, which its layer then treats as k = 1, pairing slot i with token i
   instead of token i // k: wrong for k > 1. In eval mode fastmoe's noise scale is 0 and its load
-  estimate divides by it; here eval uses the exact load (count of tokens per expert) instead.
+  estimate divides by it; here eval uses the exact load (count of tokens per expert) instead. The
+  eval-mode noise is still drawn (and unused), so the random stream matches fastmoe's.
 """
 
 from __future__ import annotations
@@ -179,9 +180,12 @@ class NoisyGate(BaseGate):
 
     def forward(self, inp: torch.Tensor):
         clean_logits = inp @ self.w_gate
+        # Drawn in eval too, as fastmoe does (its noise is scaled by `training` = 0 there): the
+        # random stream then advances the same way whether or not an eval pass ran in between.
+        noise = torch.randn_like(clean_logits)
         if self.training:
             noise_stddev = F.softplus(inp @ self.w_noise) + self.noise_epsilon
-            logits = clean_logits + torch.randn_like(clean_logits) * noise_stddev
+            logits = clean_logits + noise * noise_stddev
         else:
             logits = clean_logits
         top_logits, top_indices = logits.topk(min(self.top_k + 1, self.tot_expert), dim=1)
