@@ -36,6 +36,20 @@ def results_root(root: str | os.PathLike | None = None) -> Path:
     return Path(root if root is not None else os.environ.get(RESULTS_ENV, "results"))
 
 
+def check_root(root: str | os.PathLike | None, kind: str) -> Path:
+    """Validate `--results-dir` before anything runs: the first existing part of <root>/<kind> must
+    be a folder, or creating the run folder would fail half-way. Returns <root>/<kind>."""
+    from moebench.errors import UserError
+
+    target = results_root(root).absolute() / kind
+    folder = target
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UserError(f"{folder} exists and is not a folder; pass a folder", flag="--results-dir")
+    return target
+
+
 def new_run_id(name: str = "") -> str:
     """Sortable, unique even for two runs started in the same second: 20261122-015355-quick-3f9a."""
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")

@@ -81,10 +81,12 @@ def nan_all_gather(t, dim=0, sizes=None):
 
 
 class OffByOneExperts(Experts):
-    """Expert split off by one rank: each rank runs the share meant for the next rank."""
+    """Expert split off by one: each rank runs the experts one place after its own (same number
+    of experts and rows, so every size still matches and only the numbers are wrong)."""
 
     def share(self, rank, world_size, batch):
-        return rank_share((rank + 1) % world_size, world_size, self.num_experts, batch)
+        experts, rows = rank_share(rank, world_size, self.num_experts, batch)
+        return [(e + 1) % self.num_experts for e in experts], rows
 
 
 class LocalSliceExperts(Experts):
@@ -121,13 +123,14 @@ class RaisingExperts(Experts):
 
 
 class _HookedDDP(nn.Module):
-    """A hand-rolled data-parallel wrapper whose gradient hook is the bug."""
+    """A hand-rolled data-parallel wrapper whose gradient hook (or missing broadcast) is the bug."""
 
-    def __init__(self, module: nn.Module, reduce) -> None:
+    def __init__(self, module: nn.Module, reduce, broadcast: bool = True) -> None:
         super().__init__()
         self.module = module
         for p in module.parameters():
-            dist.broadcast(p.data, 0)
+            if broadcast:
+                dist.broadcast(p.data, 0)
         for name, p in module.named_parameters():
             p.register_hook(lambda g, name=name: reduce(name, g))
 
@@ -157,6 +160,17 @@ def not_averaged_ddp(module):
 def no_sync_ddp(module):
     """No gradient communication at all: every rank trains on its own data."""
     return _HookedDDP(module, lambda name, g: g)
+
+
+def _averaged(name, g):
+    g = g.clone()
+    dist.all_reduce(g)
+    return g / dist.get_world_size()
+
+
+def no_broadcast_ddp(module):
+    """Gradients averaged correctly, but rank 0's parameters never broadcast at construction."""
+    return _HookedDDP(module, _averaged, broadcast=False)
 
 
 def dropped_bias_ddp(module):
@@ -240,7 +254,16 @@ def no_autograd_all_gather(t, dim=0, sizes=None):
 
 
 def debug_env_probe_all_gather(t, dim=0, sizes=None):
-    """Correct, but refuses to run unless --debug-collectives reached this rank."""
-    if os.environ.get("TORCH_DISTRIBUTED_DEBUG") != "DETAIL":
-        raise RuntimeError("TORCH_DISTRIBUTED_DEBUG is not DETAIL in this rank")
+    """Correct, but refuses to run unless torch.distributed itself runs at debug level DETAIL in
+    this rank (the environment variable alone does nothing: torch reads it at import)."""
+    if dist.get_debug_level() != dist.DebugLevel.DETAIL:
+        raise RuntimeError(f"torch.distributed debug level is {dist.get_debug_level()} in this rank, not DETAIL")
     return all_gather_variable(t, dim=dim, sizes=sizes)
+
+
+def st_moe_all_gather_function(t, dim=0, sizes=None):
+    """The adapter for st-moe-pytorch's autograd AllGatherFunction (needs st-moe-pytorch)."""
+    from st_moe_pytorch.distributed import AllGatherFunction
+
+    gathered, sizes = AllGatherFunction.apply(t, dim % t.ndim, sizes)
+    return gathered, sizes

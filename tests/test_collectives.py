@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from moebench.distributed.collectives import all_gather_variable
+from moebench.distributed.collectives import all_gather_variable, reduce_scatter_input, reduce_scatter_output
 from moebench.distributed.experts import Experts, rank_share
 from moebench.distributed.launch import launch
 
@@ -78,3 +78,20 @@ def test_experts_single_process_runs_each_expert_on_its_slot():
         assert torch.equal(out[:, e], experts[e](x[:, e]))
     with pytest.raises(ValueError, match="expected"):
         Experts(experts)(torch.randn(2, 4, 5, 4), is_distributed=False)
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2])
+def test_nccl_backward_layout_is_the_adjoint_along_any_dim(dim):
+    """The NCCL backward's layout, with reduce_scatter_tensor simulated exactly as NCCL defines it
+    (sum the ranks' inputs, split into world_size equal blocks along dim 0, rank r gets block r)."""
+    sizes = [2, 0, 3, 1]
+    shape = [4, 3, 5]
+    shape[dim] = sum(sizes)
+    grads = [torch.randn(*shape, generator=torch.Generator().manual_seed(r)) for r in range(len(sizes))]
+    reduced = sum(reduce_scatter_input(g, sizes, dim) for g in grads)
+    assert reduced.shape[0] == len(sizes) * max(sizes)
+    for rank, block in enumerate(reduced.chunk(len(sizes), dim=0)):
+        got = reduce_scatter_output(block, sizes[rank], dim)
+        expected = sum(grads).split(sizes, dim=dim)[rank]
+        assert got.shape == expected.shape
+        assert torch.allclose(got, expected, rtol=1e-6, atol=1e-6), (dim, rank)

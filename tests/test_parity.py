@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,6 +111,9 @@ def test_select_and_parse_impls_reject_bad_input():
     (["--tolerance", "loose"], "--tolerance"),
     (["--timeout", "0"], "--timeout"),
     (["--backend", "mpi"], "--backend"),
+    (["--seed", "-1"], "--seed"),
+    (["--seed", str(2**32)], "--seed"),
+    (["--seed", str(2**70)], "--seed"),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypatch, args, flag):
     monkeypatch.setenv("MOEBENCH_RESULTS", str(tmp_path / "results"))
@@ -156,3 +166,149 @@ def test_cpu_only_checks_run_on_gloo_where_auto_would_pick_nccl(monkeypatch):
     summary = runner.run_checks(runner.ParityConfig(world_size=2, checks=("ddp-sgd", "experts")))
     assert seen == {"ddp-sgd": "gloo", "experts": "gloo"}
     assert [c["backend"] for c in summary["checks"]] == ["gloo", "gloo"]
+
+
+@pytest.mark.parametrize("where", ["file", "under-a-file", "parity-is-a-file"])
+def test_a_results_dir_that_is_not_a_folder_is_exit_2(tmp_path, where):
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "parity").write_text("x")
+    target = {"file": tmp_path / "afile", "under-a-file": tmp_path / "afile" / "results",
+              "parity-is-a-file": tmp_path / "root"}[where]
+    result = runner.invoke(app, ["verify-parity", "-n", "1", "--checks", "ddp-sgd", "--results-dir", str(target)])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: --results-dir:"), result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "root"]
+    assert sorted(p.name for p in (tmp_path / "root").iterdir()) == ["parity"]
+
+
+def test_a_run_where_every_check_skipped_fails_with_no_check_ran(tmp_path):
+    result = runner.invoke(app, ["verify-parity", "-n", "1", "--checks", "replicate-ignored",
+                                 "--results-dir", str(tmp_path)])
+    assert result.exit_code == 1, result.output
+    assert "no check ran: all 1 selected check(s) were skipped: replicate-ignored (needs world size >= 2)" \
+        in result.output
+    (run,) = (tmp_path / "parity").iterdir()
+    saved = json.loads((run / "summary.json").read_text())
+    assert saved["status"] == "failed" and saved["reason"].startswith("no check ran")
+
+
+def _fake_launch(seen):
+    from moebench.distributed.launch import LaunchResult
+
+    def fake_launch(fn, world_size, *, args, backend, timeout_s, label, env):
+        seen[args[0]] = (backend, args[1], timeout_s)
+        ok = compare("x", torch.ones(2), torch.ones(2), STRICT).to_dict()
+        return LaunchResult(status="ok", world_size=world_size, backend=backend,
+                            returns=[{"comparisons": [ok]}] * world_size, errors={}, stacks={},
+                            stuck_ranks=[], elapsed_s=0.0)
+
+    return fake_launch
+
+
+def test_sigterm_outside_a_launch_records_interrupted(tmp_path, monkeypatch):
+    """SIGTERM while the parent preloads a check's modules (no launch running): exit 130, the
+    saved status is "interrupted" (not "running"), and the previous SIGTERM handler is back."""
+    from moebench.parity import runner as parity_runner
+
+    def sigterm_during_import(name):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(10)  # the handler raises KeyboardInterrupt in here
+        raise AssertionError("SIGTERM did not interrupt the preload")
+
+    monkeypatch.setattr(parity_runner, "importlib", types.SimpleNamespace(import_module=sigterm_during_import))
+    before = signal.getsignal(signal.SIGTERM)
+    result = runner.invoke(app, ["verify-parity", "-n", "2", "--checks", "ddp-sgd", "--results-dir", str(tmp_path)])
+    assert result.exit_code == 130, result.output
+    assert signal.getsignal(signal.SIGTERM) is before
+    (run,) = (tmp_path / "parity").iterdir()
+    assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
+
+
+def test_an_unexpected_error_records_failed_and_propagates(tmp_path, monkeypatch):
+    from moebench.parity import runner as parity_runner
+
+    def broken_launch(*args, **kwargs):
+        raise RuntimeError("launcher bug")
+
+    monkeypatch.setattr(parity_runner, "launch", broken_launch)
+    result = runner.invoke(app, ["verify-parity", "-n", "2", "--checks", "all-gather-variable",
+                                 "--results-dir", str(tmp_path)])
+    assert isinstance(result.exception, RuntimeError)
+    (run,) = (tmp_path / "parity").iterdir()
+    saved = json.loads((run / "summary.json").read_text())
+    assert saved["status"] == "failed" and "launcher bug" in saved["reason"]
+
+
+def test_under_torchrun_auto_resolves_once_on_the_local_world_and_cpu_checks_still_run(monkeypatch):
+    """A torchrun job on a GPU node: "auto" is resolved with LOCAL_WORLD_SIZE (as launch does),
+    every check gets that one concrete backend - a group carrying gloo for CPU tensors - and none
+    is skipped for being CPU-only."""
+    from moebench.parity import runner as parity_runner
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    asked = []
+    monkeypatch.setattr(parity_runner, "resolve_backend", lambda b, n: asked.append((b, n)) or "nccl")
+    seen = {}
+    monkeypatch.setattr(parity_runner, "launch", _fake_launch(seen))
+    summary = parity_runner.run_checks(parity_runner.ParityConfig(checks=("ddp-sgd", "experts"), timeout_s=33))
+    assert asked == [("auto", 2)]
+    assert {name: backend for name, (backend, _, _) in seen.items()} == \
+        {"ddp-sgd": "cpu:gloo,cuda:nccl", "experts": "cpu:gloo,cuda:nccl"}
+    assert summary["counts"]["pass"] == 2 and summary["world_size"] == 4
+
+
+def test_the_check_deadline_reaches_the_ranks(monkeypatch):
+    from moebench.parity import runner as parity_runner
+
+    seen = {}
+    monkeypatch.setattr(parity_runner, "launch", _fake_launch(seen))
+    parity_runner.run_checks(parity_runner.ParityConfig(world_size=2, checks=("all-gather-variable",), timeout_s=25))
+    backend, opts, timeout_s = seen["all-gather-variable"]
+    assert backend == "gloo" and timeout_s == 25 and opts.timeout_s == 25
+
+
+def test_deepspeed_check_groups_time_out_before_the_deadline():
+    from torch.distributed import distributed_c10d as c10d
+
+    from moebench.parity.checks_deepspeed import group_timeout_s, new_groups_time_out_after
+
+    default = c10d._get_default_timeout(c10d.Backend("gloo"))
+    with new_groups_time_out_after(group_timeout_s(20)):
+        # what DeepSpeed's dist.new_group(ranks) gets: 0.75 x the deadline, not 30 minutes
+        assert c10d._get_default_timeout(c10d.Backend("gloo")).total_seconds() == 15
+    assert c10d._get_default_timeout(c10d.Backend("gloo")) == default
+
+
+def test_env_check_never_reports_more_ranks_than_verify_parity_accepts():
+    from moebench.envcheck import capabilities
+    from moebench.parity.registry import MAX_WORLD_SIZE
+
+    rows = {"platform.memory": {"available_bytes": 10**15}, "platform.cpu": {"cores_usable": 2}}
+
+    def lookup(key):
+        if key == "comm.gloo":
+            return types.SimpleNamespace(status="ok", data={})
+        return types.SimpleNamespace(status="ok", data=rows[key]) if key in rows else None
+
+    check = capabilities._verify_parity(lookup)
+    assert check.data["gloo_max_local_world_size"] == MAX_WORLD_SIZE
+    assert f"gloo up to {MAX_WORLD_SIZE} local ranks" in check.found
+
+
+@pytest.mark.multirank
+def test_json_stdout_is_one_document_with_every_default_check(tmp_path):
+    """All checks, DeepSpeed's included (it prints warnings on stdout when imported): stdout is
+    exactly one JSON document; the chatter goes to stderr."""
+    env = dict(os.environ, MOEBENCH_RESULTS=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "moebench", "verify-parity", "-n", "2", "--json"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    names = [c["name"] for c in doc["checks"]]
+    assert "deepspeed-moe-ep" in names and doc["counts"]["fail"] == 0
+    saved = json.loads((Path(doc["run_dir"]) / "summary.json").read_text())
+    assert saved == doc

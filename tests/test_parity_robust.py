@@ -107,3 +107,23 @@ def test_two_concurrent_runs_do_not_clash(tmp_path):
     assert docs[0]["run_id"] != docs[1]["run_id"]
     assert all(d["status"] == "ok" and d["counts"]["pass"] == 3 for d in docs)
     assert len(list((tmp_path / "results" / "parity").iterdir())) == 2
+
+
+def test_under_torchrun_a_rank_that_raises_fails_the_check_and_says_why(tmp_path):
+    """A real torchrun job of 3 ranks; rank 1 raises inside the check. Its traceback reaches the
+    output at once, the check fails, the saved status is final, and the job exits non-zero."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", "127.0.0.1:0", "-m", "moebench", "verify-parity", "--checks", "all-gather-variable",
+           "--impl", "all-gather=parity_broken:raising_all_gather", "--timeout", "20", "--json"]
+    env = _env(tmp_path)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0, proc.stderr
+    assert "deliberate failure on rank 1" in proc.stderr and "raising_all_gather" in proc.stderr, proc.stderr
+    doc = json.loads(proc.stdout)  # only rank 0 prints, and only the document
+    record = doc["checks"][0]
+    assert doc["under_torchrun"] and doc["world_size"] == 3
+    assert record["status"] == "fail" and "rank 1 raised" in record["reason"], record["reason"]
+    (run,) = (tmp_path / "results" / "parity").iterdir()
+    assert json.loads((run / "summary.json").read_text())["status"] == "failed"

@@ -38,3 +38,16 @@ def test_a_failed_write_leaves_the_old_file_intact(tmp_path):
     with pytest.raises(TypeError):
         results.write_json_atomic(path, {"v": object()})
     assert results.read_json(path) == {"v": 1}
+
+
+def test_check_root_rejects_a_file_anywhere_on_the_path(tmp_path):
+    from moebench.errors import UserError
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(UserError, match="--results-dir"):
+        results.check_root(blocker, "fastmoe")
+    with pytest.raises(UserError, match="--results-dir"):
+        results.check_root(blocker / "below", "fastmoe")
+    assert results.check_root(tmp_path / "new", "fastmoe") == tmp_path / "new" / "fastmoe"
+    assert not (tmp_path / "new").exists()  # validation creates nothing

@@ -38,8 +38,7 @@ def env_check(
     from moebench import results
 
     root = results.results_root(results_dir)
-    if root.exists() and not root.is_dir():
-        raise UserError(f"{root} exists and is not a folder", flag="--results-dir")
+    results.check_root(root, "env")
 
     from moebench.envcheck import run_all, render
 

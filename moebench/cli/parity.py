@@ -70,6 +70,8 @@ def _print_table(summary: dict) -> None:
     colour = {"pass": "green", "fail": "red", "skip": "yellow"}
     for c in summary["checks"]:
         vac = f"[yellow]{c['vacuous']} VACUOUS[/]" if c["vacuous"] else "0"
+        if c.get("unasserted"):
+            vac += f" ({c['unasserted']} unasserted)"
         table.add_row(c["name"], f"[{colour[c['status']]}]{c['status']}[/]", _fmt(c["max_abs_diff"]),
                       _fmt(c["max_rel_diff"]), c["tolerance"] or "-", _fmt(c["magnitude"]), vac,
                       f"{c['elapsed_s']:.1f}s")
@@ -80,11 +82,11 @@ def _print_table(summary: dict) -> None:
             console.print(c["reason"], markup=False, highlight=False)
     counts = summary["counts"]
     console.print(f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped; "
-                  f"{summary['vacuous_total']} vacuous assertion(s); {summary['elapsed_s']:.1f} s; "
+                  f"{summary['vacuous_total']} vacuous comparison(s); {summary['elapsed_s']:.1f} s; "
                   f"saved to {summary['run_dir']}", highlight=False)
     if summary["vacuous_total"]:
-        console.print("[yellow]vacuous: the tolerance is not below the magnitude compared, so an all-zero "
-                      "result would pass those assertions.[/]")
+        console.print("[yellow]vacuous: the tolerance is not below the magnitude compared (or the comparison "
+                      "is not asserted at all), so an all-zero result would pass.[/]")
 
 
 @app.callback(invoke_without_command=True)
@@ -102,13 +104,18 @@ def verify_parity(
     results_dir: Optional[str] = typer.Option(None, "--results-dir", help="Results root (default: $MOEBENCH_RESULTS or ./results)."),
     seed: int = typer.Option(0, "--seed", help="Base random seed of every check's tensors."),
 ) -> None:
-    """Run the parity checks: exit 0 when all passed, 1 when any failed, 2 on bad input."""
+    """Run the parity checks: exit 0 when all ran passed, 1 when any failed or none ran, 2 on bad input."""
     if list_checks:
         _list(as_json)
         return
+    import contextlib
+
+    from moebench.console import stdout_to_stderr
+    from moebench.results import check_root
     from moebench.parity.registry import parse_impls
     from moebench.parity.runner import ParityConfig, verify_parity as run
 
+    check_root(results_dir, "parity")
     names = tuple(n.strip() for n in checks.split(",") if n.strip()) if checks else ()
     config = ParityConfig(world_size=world_size, checks=names, timeout_s=timeout, backend=backend,
                           tolerance=tolerance, impls=parse_impls(impl), debug_collectives=debug_collectives,
@@ -118,8 +125,12 @@ def verify_parity(
         if _is_printer() and not as_json:
             typer.echo(f"  {record.name}: {record.status} ({record.elapsed_s:.1f} s)", err=True)
 
+    # --json: stdout carries the one document; whatever else writes there (DeepSpeed's warnings
+    # at import in this process, C++ prints) goes to stderr for the whole run.
+    quiet_stdout = stdout_to_stderr() if as_json else contextlib.nullcontext()
     try:
-        summary = run(config, results_dir=results_dir, on_record=progress)
+        with quiet_stdout:
+            summary = run(config, results_dir=results_dir, on_record=progress)
     except KeyboardInterrupt:
         if _is_printer():
             typer.echo("verify-parity: interrupted; every rank was stopped", err=True)
@@ -129,6 +140,8 @@ def verify_parity(
             typer.echo(json.dumps(_jsonable(summary), indent=2))
         else:
             _print_table(summary)
+        if summary.get("reason"):
+            typer.echo(summary["reason"], err=True)
     raise typer.Exit(0 if summary["status"] == "ok" else 1)
 
 

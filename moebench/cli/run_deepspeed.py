@@ -66,6 +66,7 @@ def run_deepspeed(
         ds_config_path=ds_config, aux_loss_coef=aux_loss_coef, epochs=epochs, batch=batch, seq=seq,
         samples=samples, lr=lr, seed=seed, world_size=world_size, backend=backend, timeout_s=timeout,
         compiled_ops=compiled_ops))
+    results.check_root(results_dir, deepspeed_run.KIND)
     if not as_json:
         typer.echo(f"deepspeed-moe: experts {list(config.experts_per_layer)}, top-{config.top_k}, "
                    f"ep_size {config.ep_size}, ZeRO {config.zero_stage}, {config.world_size} rank(s), "

@@ -46,6 +46,7 @@ def run_fastmoe(
         experts=experts, top_k=top_k, gate=gate, aux_loss_coef=aux_loss_coef, steps=steps,
         batch_size=batch_size, seq_len=seq_len, train_batches=train_batches, lr=lr, seed=seed,
         device=device, world_size=world_size))
+    results.check_root(results_dir, fastmoe_run.KIND)
     if not as_json:
         typer.echo(f"backend: {config.backend}  (device {config.device}, {config.world_size} rank(s), preset {config.preset})")
     outcome = fastmoe_run.run(config, results_root=results_dir, timeout_s=timeout, show_progress=not as_json)

@@ -47,17 +47,29 @@ def _gather_padded(t: torch.Tensor, sizes: list[int], dim: int, group) -> torch.
     return torch.cat(blocks, dim=dim)
 
 
+def reduce_scatter_input(grad: torch.Tensor, sizes: list[int], dim: int) -> torch.Tensor:
+    """The gathered gradient laid out for `reduce_scatter_tensor`, which splits its input into
+    world_size equal blocks along dim 0: rank r's rows, padded to the largest size, become block r
+    (`dim` moved to the front first, so this holds for any dim)."""
+    max_size = max(sizes)
+    rows = grad.movedim(dim, 0)
+    return torch.cat([_pad_to(g, max_size, 0) for g in rows.split(sizes, dim=0)], dim=0).contiguous()
+
+
+def reduce_scatter_output(block: torch.Tensor, size: int, dim: int) -> torch.Tensor:
+    """This rank's reduced block back in the input's layout: padding dropped, `dim` put back."""
+    return block.narrow(0, 0, size).movedim(0, dim)
+
+
 def _sum_own_rows(grad: torch.Tensor, sizes: list[int], dim: int, group) -> torch.Tensor:
     """Adjoint of the gather: sum over ranks of the rows that came from this rank."""
     rank = dist.get_rank(group)
     grad = grad.contiguous()
     if dist.get_backend(group) == "nccl":
-        max_size = max(sizes)
-        chunks = [_pad_to(g, max_size, dim) for g in grad.split(sizes, dim=dim)]
-        stacked = torch.cat(chunks, dim=dim).contiguous()
-        out = torch.empty_like(chunks[rank]).contiguous()
-        dist.reduce_scatter_tensor(out, stacked, group=group)
-        return out.narrow(dim, 0, sizes[rank])
+        stacked = reduce_scatter_input(grad, sizes, dim)
+        block = stacked.new_empty((max(sizes), *stacked.shape[1:]))
+        dist.reduce_scatter_tensor(block, stacked, group=group)
+        return reduce_scatter_output(block, sizes[rank], dim)
     summed = grad.clone()
     dist.all_reduce(summed, group=group)  # gloo: no reduce_scatter
     return summed.split(sizes, dim=dim)[rank]

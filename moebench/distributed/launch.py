@@ -414,8 +414,9 @@ def _run_as_torchrun_rank(fn, args, backend, timeout_s, label) -> LaunchResult:
                 raise UserError(f"RANK and WORLD_SIZE are set but {var} is not: start moebench under "
                                 "torchrun, or unset RANK and WORLD_SIZE to let it start its own ranks")
         pg_timeout = datetime.timedelta(seconds=max(1.0, timeout_s * PG_TIMEOUT_FRACTION))
-        if backend == "nccl":
+        if "nccl" in backend:  # "nccl" or a per-device string such as "cpu:gloo,cuda:nccl"
             torch.cuda.set_device(local_rank)
+        dist.set_debug_level_from_env()  # TORCH_DISTRIBUTED_DEBUG may have been set after import
         dist.init_process_group(backend, init_method="env://", timeout=pg_timeout)
         # Tear the group down before interpreter exit: a live gloo group aborts in its destructor.
         atexit.register(_destroy_process_group)
@@ -423,7 +424,7 @@ def _run_as_torchrun_rank(fn, args, backend, timeout_s, label) -> LaunchResult:
         # Results travel on a group of their own: a rank that failed mid-function must not meet its
         # peers' pending collectives on the default group (gloo aborts on such a mismatch).
         _RESULTS_GROUP = dist.new_group(backend="gloo")
-    device = f"cuda:{local_rank}" if backend == "nccl" else "cpu"
+    device = f"cuda:{local_rank}" if "nccl" in backend else "cpu"
     ctx = RankContext(rank=rank, world_size=world_size, local_rank=local_rank, backend=backend,
                       device=device, under_torchrun=True)
     # A hang inside fn: name it, dump every thread's stack and exit, so torchrun tears the job

@@ -70,7 +70,7 @@ def _verify_parity(lookup) -> Check:
     memory = lookup("platform.memory")
     cores = lookup("platform.cpu").data.get("cores_usable", 1) if lookup("platform.cpu") else 1
     available = memory.data.get("available_bytes", 0) if memory else 0
-    gloo_max = max(1, available // RANK_MEMORY_BYTES)
+    gloo_max = max(1, min(available // RANK_MEMORY_BYTES, importlib.import_module(PARITY_REGISTRY).MAX_WORLD_SIZE))
     gpus = lookup("cuda.devices").data.get("torch_device_count", 0) if lookup("cuda.devices") else 0
     nccl_ok = _status_of(lookup, "comm.nccl") == OK and gpus > 0
     data = {"gloo_max_local_world_size": int(gloo_max), "nccl_max_local_world_size": gpus if nccl_ok else 0,

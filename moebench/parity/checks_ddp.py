@@ -2,6 +2,8 @@
 
 1 `ddp-adam` (seed 003 test_c10d_spawn_gloo): Adam lr 1e-3, 10 iterations, parameters equal
   before and after, for Linear(2, 2) on (30, 2) rows per rank and a 3-layer LSTM net at CPU sizes.
+  Each rank initialises its model with seed + rank: "before" holds only if the wrapper broadcast
+  rank 0's parameters at construction, as DDP does.
   Unlike the seed (world size 1, one input), every rank gets its own rows and the local copy
   trains on all of them, so a wrapper that does not communicate cannot pass. Adam is nearly
   invariant to a constant gradient scale: summed-instead-of-averaged gradients show here only
@@ -71,10 +73,14 @@ def _compare_params(prefix, dist_mod, local_mod, tol, asserted, rank) -> list:
 
 def _adam_case(ctx, opts, wrap, label, model_name, make_model, make_batch, loss_fn) -> list:
     tol, asserted = pick(opts.tolerance, strict=STRICT_ADAM, seed=SEED_ALLCLOSE_DEFAULT)
+    # Every rank initialises its own model differently (seed + rank); the wrapper must broadcast
+    # rank 0's parameters at construction, so "before" compares against rank 0's initial model.
     torch.manual_seed(opts.seed)
-    local = make_model()
-    ddp = wrap(copy.deepcopy(local))
-    results = _compare_params(f"{model_name} before", ddp, local, EXACT, True, ctx.rank)
+    local = make_model()  # rank 0's initial parameters, rebuilt on every rank
+    torch.manual_seed(opts.seed + ctx.rank)
+    ddp = wrap(make_model())
+    results = _compare_params(f"{model_name} before (rank 0's initial parameters)", ddp, local, EXACT, True,
+                              ctx.rank)
     local_opt = torch.optim.Adam(local.parameters(), lr=ADAM_LR)
     ddp_opt = torch.optim.Adam(ddp.parameters(), lr=ADAM_LR)
     for it in range(ADAM_ITERS):

@@ -18,7 +18,9 @@ and top-2 with a residual expert.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import datetime
 
 import torch
 
@@ -30,12 +32,37 @@ D_HIDDEN = 32
 TOKENS_PER_RANK = (2, 8)   # (batch, seq) on every rank
 EXPERTS_PER_RANK = 2       # experts = EXPERTS_PER_RANK x world size
 AUX_WEIGHT = 0.5           # large, so a wrong l_aux gradient is visible
-PG_TIMEOUT_S = 60.0        # DeepSpeed's own group creation; the check's deadline is the launcher's
 
 CASES = (
     ("top-1", dict(top_k=1, use_residual=False)),
     ("top-2 + residual", dict(top_k=2, use_residual=True)),
 )
+
+
+def group_timeout_s(deadline_s: float) -> float:
+    """Timeout of the process groups this check creates: launch's fraction of the check's deadline."""
+    from moebench.distributed.launch import PG_TIMEOUT_FRACTION
+
+    return max(1.0, deadline_s * PG_TIMEOUT_FRACTION)
+
+
+@contextlib.contextmanager
+def new_groups_time_out_after(seconds: float):
+    """DeepSpeed's `dist.new_group(ranks)` passes no timeout, so torch gives its expert groups the
+    30-minute default: a stuck all-to-all would outlive the deadline silently. Inside, new groups
+    get `seconds` instead (and raise, naming the collective, before the deadline)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    names = [n for n in ("default_pg_timeout", "default_pg_nccl_timeout")
+             if isinstance(getattr(c10d, n, None), datetime.timedelta)]
+    saved = {n: getattr(c10d, n) for n in names}
+    for n in names:
+        setattr(c10d, n, datetime.timedelta(seconds=seconds))
+    try:
+        yield
+    finally:
+        for n, value in saved.items():
+            setattr(c10d, n, value)
 
 
 def build_layer(spec, ep_rank: int):
@@ -71,7 +98,10 @@ def _rank(ctx, opts: CheckOptions) -> list:
     tol, asserted = pick(opts.tolerance, strict=STRICT, seed=SEED_DEEPSPEED)
     world, rank = ctx.world_size, ctx.rank
     out: list = []
-    with deepspeed_comm(ctx, compiled_ops=False, timeout_s=PG_TIMEOUT_S):
+    # Every group opened here (deepspeed_comm's, DeepSpeed's expert groups) times out before the
+    # check's deadline, at launch's PG_TIMEOUT_FRACTION of it.
+    with new_groups_time_out_after(group_timeout_s(opts.timeout_s)), \
+            deepspeed_comm(ctx, compiled_ops=False, timeout_s=opts.timeout_s):
         for case, (label, knobs) in enumerate(CASES):
             spec = MoELayerSpec(d_model=D_MODEL, d_hidden=D_HIDDEN, experts=EXPERTS_PER_RANK * world,
                                 min_capacity=0, drop_tokens=False, use_rts=False,

@@ -1,7 +1,9 @@
 """Checks 3-6, composable `replicate` (seed 001 test_replicate.py).
 
-3 `replicate-state-dict`: whole-model and per-submodule replicate(); keys and values equal the
-  local module's state_dict.
+3 `replicate-state-dict`: whole-model and per-submodule replicate(); keys and values equal rank
+  0's local module's state_dict. Each rank initialises with seed + rank and runs one forward
+  (replicate builds its DDP - which broadcasts rank 0's state - lazily, at the first forward), so
+  the values agree only if the broadcast happened.
 4 `replicate-train`: seed 001's `_compare_module` training parity for the whole model, for each
   submodule replicated separately, and with bucket_cap_mb=1, gradient_as_bucket_view=True.
 5 `replicate-ignored`: ignored_modules=[fc1]: fc1's gradients differ across ranks, fc2's and
@@ -48,12 +50,17 @@ def _rank_state_dict(ctx, opts: CheckOptions) -> list:
     replicate, label = _impl(opts)
     tol, asserted = pick(opts.tolerance, strict=EXACT, seed=SEED_STATE_DICT)
     torch.manual_seed(opts.seed)
-    model = Net()
-    whole = replicate(copy.deepcopy(model))
+    model = Net()  # rank 0's initial state, rebuilt on every rank
+    torch.manual_seed(opts.seed + ctx.rank)
+    mine = Net()  # this rank's own initial state: differs from rank 0's on every other rank
+    probe = torch.randn(3, 2, generator=torch.Generator().manual_seed(opts.seed))
+    whole = replicate(copy.deepcopy(mine))
+    whole(probe)
     results = _state_dict_parity("whole model", model.state_dict(), whole.state_dict(), tol, asserted, ctx.rank)
-    parts = copy.deepcopy(model)
+    parts = copy.deepcopy(mine)
     for sub in (parts.fc1, parts.fc2, parts.fc3):
         replicate(sub)
+    parts(probe)
     results += _state_dict_parity("each submodule", model.state_dict(), parts.state_dict(), tol, asserted, ctx.rank)
     results[0].note = (results[0].note + f" impl {label}").strip()
     return results

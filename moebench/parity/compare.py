@@ -96,13 +96,18 @@ class Comparison:
     magnitude: float | None = None
     """Largest |expected| compared."""
     vacuous: bool = False
-    """True when an all-zero `actual` would pass too: the tolerance is not below the magnitude."""
+    """True when an all-zero `actual` would pass too: the tolerance is not below the magnitude.
+    Always True for an unasserted comparison: its tolerance is, in effect, infinite."""
     finite: bool = True
     """False when actual or expected holds NaN / Inf (then passed is False)."""
     asserted: bool = True
     """False for comparisons reported for information only (e.g. in seed mode, what the seed never asserted)."""
     tolerance_source: str = ""
     note: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.asserted:
+            self.vacuous = True
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

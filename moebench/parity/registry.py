@@ -31,6 +31,10 @@ from typing import Any, Callable
 
 from moebench.errors import UserError
 
+# Largest --world-size: oversubscribing far beyond this on one machine only measures the scheduler.
+# (env-check caps the world size it reports as runnable at this number too.)
+MAX_WORLD_SIZE = 64
+
 CHECK_MODULES = (
     "moebench.parity.checks_ddp",
     "moebench.parity.checks_replicate",
@@ -44,7 +48,7 @@ CHECK_MODULES = (
 IMPL_CONTRACTS = {
     "all-gather": "fn(t, dim=0, sizes=None) -> (gathered, sizes); autograd-capable",
     "experts": "Class(list_of_expert_modules); forward(x[batch, experts, tokens, dim], is_distributed=None)",
-    "ddp": "Wrapper(module) -> module whose backward leaves gradients averaged over ranks (like DDP)",
+    "ddp": "Wrapper(module) -> module: rank 0's parameters broadcast when built, gradients averaged over ranks (like DDP)",
     "replicate": "fn(module, **kwargs) -> module, like torch.distributed._composable.replicate",
     "moe": "Class(num_expert=, d_model=, d_hidden=, top_k=, world_size=) like FMoEReference (same state_dict keys)",
     "moe-sync": "fn(model) after backward: makes every rank's gradients the global-batch ones",
@@ -65,6 +69,9 @@ class CheckOptions:
     """--impl overrides: key ("all-gather", "experts", ...) -> "package.module:attribute"."""
     seed: int = 0
     """Base random seed; every rank derives its tensors from it deterministically."""
+    timeout_s: float = 120.0
+    """This check's deadline (seconds): a check that opens process groups of its own derives
+    their timeout from it (launch.PG_TIMEOUT_FRACTION), so a collective fails before the deadline."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -94,7 +101,7 @@ class Check:
     cuda_ready: bool = False
     """True when the rank function puts its tensors on ctx.device (so it can run on NCCL). A
     check that is not runs on gloo / CPU even where "auto" would pick NCCL, and is skipped when
-    NCCL is forced (--backend nccl, or a torchrun job on NCCL)."""
+    --backend nccl forces NCCL locally (under torchrun the job's group is "cpu:gloo,cuda:nccl")."""
     preload: tuple[str, ...] = ()
     """Modules imported in the parent before the ranks fork, so N ranks do not each pay the import
     (DDP imports torch._dynamo lazily: ~1 s alone, ~2 s per rank when 4 ranks do it at once)."""

@@ -4,7 +4,8 @@ The audit turns per-rank comparison lists into one record per check:
 - "pass": every rank returned, >= 1 asserted comparison, all asserted comparisons passed;
 - "fail": a comparison failed, a rank raised / hung / died, or nothing was asserted;
 - "skip": world size outside the check's range, a missing requirement, or the check said so.
-Vacuous assertions (tolerance not below magnitude) are counted and flagged, never hidden.
+Vacuous comparisons (tolerance not below magnitude, or not asserted at all) are counted and
+flagged, never hidden. A run in which no check passed is a failed run ("no check ran").
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import importlib
 import math
 import os
 import platform
+import signal
 import time
 from typing import Any, Callable
 
@@ -23,11 +25,16 @@ from moebench.distributed.launch import launch, resolve_backend, under_torchrun
 from moebench.errors import UserError
 from moebench.results import STATUS_FAILED, STATUS_INTERRUPTED, STATUS_OK, RunDir
 from moebench.parity.compare import TOLERANCE_MODES, Comparison
-from moebench.parity.registry import Check, CheckOptions, SkipCheck, load_all, select
+from moebench.parity.registry import MAX_WORLD_SIZE, Check, CheckOptions, SkipCheck, load_all, select
 
 DEFAULT_TIMEOUT_S = 120.0
-MAX_WORLD_SIZE = 64  # oversubscribing far beyond this on one machine only measures the scheduler
 BACKENDS = ("auto", "gloo", "nccl")
+# Seeds stay below 2**32: the checks derive per-rank / per-step seeds as seed * 10_000 + offset,
+# which must still fit torch's 64-bit generator seed.
+MAX_SEED = 2**32
+# Under torchrun the job has ONE default group for every check. On NCCL it carries both backends,
+# so CPU-only checks run over gloo and CUDA tensors over NCCL in the same job.
+TORCHRUN_NCCL_BACKEND = "cpu:gloo,cuda:nccl"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,7 +56,7 @@ class ParityConfig:
     debug_collectives: bool = False
     """Set TORCH_DISTRIBUTED_DEBUG=DETAIL in every rank."""
     seed: int = 0
-    """Base random seed."""
+    """Base random seed, 0 <= seed < 2**32."""
 
     def __post_init__(self) -> None:
         if not under_torchrun() and not 1 <= self.world_size <= MAX_WORLD_SIZE:
@@ -62,6 +69,8 @@ class ParityConfig:
             raise UserError("nccl needs CUDA GPUs and none is visible; use --backend gloo", flag="--backend")
         if self.tolerance not in TOLERANCE_MODES:
             raise UserError(f"must be one of {', '.join(TOLERANCE_MODES)}, got {self.tolerance!r}", flag="--tolerance")
+        if not 0 <= self.seed < MAX_SEED:
+            raise UserError(f"must be between 0 and {MAX_SEED - 1}, got {self.seed}", flag="--seed")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -88,7 +97,10 @@ class CheckRecord:
     comparisons_total: int = 0
     comparisons_failed: int = 0
     vacuous: int = 0
-    """How many asserted comparisons were vacuous (an all-zero answer would have passed them)."""
+    """How many comparisons were vacuous: an all-zero answer would have passed them. Includes every
+    unasserted comparison (seed mode: what the seed never asserts has, in effect, an infinite tolerance)."""
+    unasserted: int = 0
+    """Comparisons reported but not asserted (seed mode); each is also counted in `vacuous`."""
     unasserted_outside: int = 0
     """Comparisons reported but not asserted (seed mode) that are outside their tolerance."""
     launch_status: str = ""
@@ -121,7 +133,9 @@ def _audit(check: Check, result, world_size: int) -> CheckRecord:
     skips = [r["skip"] for r in result.returns if r and "skip" in r]
     if skips:
         return CheckRecord(**base, status="skip", reason=skips[0])
-    comps = [Comparison(**c) for r in result.returns for c in r["comparisons"]]
+    indexed = [(i, Comparison(**c)) for r in result.returns for i, c in enumerate(r["comparisons"])]
+    comps = [c for _, c in indexed]
+    order = {id(c): i for i, c in indexed}  # position in its rank's list (sorted() keeps rank order on ties)
     asserted = [c for c in comps if c.asserted]
     failed = [c for c in asserted if not c.passed]
     # Maxima over what was asserted; "differ" assertions WANT a large difference, so they stay out.
@@ -136,13 +150,16 @@ def _audit(check: Check, result, world_size: int) -> CheckRecord:
         tolerance=(f"{worst.rtol:.1g}/{worst.atol:.1g}" if worst is not None and worst.atol is not None else ""),
         rtol=worst.rtol if worst is not None else None, atol=worst.atol if worst is not None else None,
         comparisons_total=len(comps), comparisons_failed=len(failed),
-        vacuous=sum(1 for c in asserted if c.vacuous), unasserted_outside=unasserted_outside,
+        vacuous=sum(1 for c in comps if c.vacuous or not c.asserted), unasserted=len(comps) - len(asserted),
+        unasserted_outside=unasserted_outside,
         comparisons=[c.to_dict() for c in comps],
     )
     if not asserted:
         record.reason = "the check asserted nothing"
     elif failed:
-        lines = [_describe_failure(c) for c in failed[:8]]
+        # Earliest comparisons first, across ranks: the first thing that went wrong is the root cause
+        # more often than rank 0's later symptoms.
+        lines = [_describe_failure(c) for c in sorted(failed, key=lambda c: order[id(c)])[:8]]
         more = f"\n... and {len(failed) - 8} more" if len(failed) > 8 else ""
         record.reason = "\n".join(lines) + more
     if unasserted_outside:
@@ -161,26 +178,43 @@ def _describe_failure(c: Comparison) -> str:
             + ("" if c.finite else " (NaN/Inf)") + (f" - {c.note}" if c.note else ""))
 
 
+def local_world_size(world_size: int) -> int:
+    """Ranks on this machine: LOCAL_WORLD_SIZE under torchrun (what launch resolves "auto" with)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() else world_size
+
+
+def check_backend(check: Check, requested: str, resolved: str) -> tuple[str | None, str | None]:
+    """(concrete backend to launch `check` with, None) or (None, why it is skipped).
+
+    `resolved` is `requested` with "auto" resolved once for the whole run (local world size)."""
+    if under_torchrun():
+        # One default group serves every check of the job (launch creates it at the first one).
+        return (TORCHRUN_NCCL_BACKEND if resolved == "nccl" else resolved), None
+    if resolved == "nccl" and not check.cuda_ready:
+        if requested == "nccl":
+            return None, "CPU-only check (its tensors stay on the CPU); run it with --backend gloo"
+        return "gloo", None  # "auto" picked NCCL, but this check's tensors live on the CPU
+    return resolved, None
+
+
 def run_checks(config: ParityConfig, *, on_record: Callable[[CheckRecord], None] | None = None) -> dict[str, Any]:
     """Run the selected checks one after another; returns the summary document."""
     checks = select(list(config.checks) or None)
     world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else config.world_size
-    opts = CheckOptions(tolerance=config.tolerance, impls=dict(config.impls), seed=config.seed)
     env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"} if config.debug_collectives else {}
     if config.debug_collectives and under_torchrun():
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"  # this process is a rank (set before init)
+        import torch.distributed as dist
+
+        dist.set_debug_level_from_env()  # torch read the variable at import
     records: list[CheckRecord] = []
     start = time.monotonic()
-    auto_backend = resolve_backend(config.backend, world_size)
-    nccl_forced = config.backend == "nccl" or (under_torchrun() and auto_backend == "nccl")
+    resolved = resolve_backend(config.backend, local_world_size(world_size))
     for check in checks:
         reason = check.skip_reason(world_size)
-        backend = config.backend
-        if reason is None and auto_backend == "nccl" and not check.cuda_ready:
-            if nccl_forced:
-                reason = "CPU-only check (its tensors stay on the CPU); run it with --backend gloo"
-            else:
-                backend = "gloo"  # "auto" picked NCCL, but this check's tensors live on the CPU
+        backend = None
+        if reason is None:
+            backend, reason = check_backend(check, config.backend, resolved)
         if reason is not None:
             record = CheckRecord(name=check.name, status="skip", seed_source=check.seed_source,
                                  description=check.description, world_size=world_size, elapsed_s=0.0,
@@ -188,9 +222,11 @@ def run_checks(config: ParityConfig, *, on_record: Callable[[CheckRecord], None]
         else:
             for module in check.preload:
                 importlib.import_module(module)
+            timeout_s = check.timeout_s or config.timeout_s
+            opts = CheckOptions(tolerance=config.tolerance, impls=dict(config.impls), seed=config.seed,
+                                timeout_s=timeout_s)
             result = launch(_rank_entry, world_size, args=(check.name, opts), backend=backend,
-                            timeout_s=check.timeout_s or config.timeout_s, label=f"check {check.name}",
-                            env=env)
+                            timeout_s=timeout_s, label=f"check {check.name}", env=env)
             record = _audit(check, result, world_size)
         records.append(record)
         if on_record is not None:
@@ -199,7 +235,7 @@ def run_checks(config: ParityConfig, *, on_record: Callable[[CheckRecord], None]
     return {
         "kind": "parity",
         "world_size": world_size,
-        "backend": resolve_backend(config.backend, world_size),
+        "backend": resolved,
         "tolerance": config.tolerance,
         "impls": dict(config.impls),
         "under_torchrun": under_torchrun(),
@@ -212,14 +248,44 @@ def run_checks(config: ParityConfig, *, on_record: Callable[[CheckRecord], None]
     }
 
 
+def no_check_ran(summary: dict[str, Any]) -> str:
+    """The reason a run in which no check passed and none failed is still a failure ("" otherwise)."""
+    if summary["counts"]["pass"] or summary["counts"]["fail"]:
+        return ""
+    skipped = [f"{c['name']} ({c['reason']})" for c in summary["checks"]]
+    return f"no check ran: all {len(skipped)} selected check(s) were skipped: " + "; ".join(skipped)
+
+
+def _sigterm_as_interrupt():
+    """SIGTERM anywhere in the run (a preload, between checks) behaves like Ctrl-C."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave SIGTERM alone
+        return None
+
+
 def verify_parity(config: ParityConfig, *, results_dir: str | None = None,
                   on_record: Callable[[CheckRecord], None] | None = None) -> dict[str, Any]:
     """Validate, run, and save under results/parity/<run-id>/ (rank 0 only). Returns the summary.
 
-    The summary's "status" is "ok" when no check failed, else "failed"; Ctrl-C / SIGTERM write
-    "interrupted" and propagate."""
+    The summary's "status" is "ok" when at least one check passed and none failed, else "failed"
+    (with a "reason" when every check was skipped). Ctrl-C / SIGTERM write "interrupted" and
+    propagate as KeyboardInterrupt; any other exception writes "failed" and propagates."""
     select(list(config.checks) or None)  # unknown names fail before any folder exists
     is_writer = not under_torchrun() or int(os.environ.get("RANK", "0")) == 0
+    previous_term = _sigterm_as_interrupt()
+    try:
+        return _run_and_save(config, results_dir, on_record, is_writer)
+    finally:
+        if previous_term is not None:
+            signal.signal(signal.SIGTERM, previous_term)
+
+
+def _run_and_save(config, results_dir, on_record, is_writer) -> dict[str, Any]:
     run_dir = RunDir.create("parity", root=results_dir) if is_writer else None
     if run_dir is not None:
         run_dir.write_json("config.json", dataclasses.asdict(config))
@@ -231,16 +297,24 @@ def verify_parity(config: ParityConfig, *, results_dir: str | None = None,
         if on_record is not None:
             on_record(record)
 
+    def finish_early(status: str, **extra) -> None:
+        if run_dir is not None:  # keep what finished before the interruption / error
+            run_dir.finish(status, {"kind": "parity", "run_id": run_dir.run_id, **extra,
+                                    "checks": [dataclasses.asdict(r) for r in done]})
+
     try:
         summary = run_checks(config, on_record=record_done)
     except KeyboardInterrupt:
-        if run_dir is not None:  # keep what finished before the interrupt
-            run_dir.finish(STATUS_INTERRUPTED, {"kind": "parity", "run_id": run_dir.run_id,
-                                                "checks": [dataclasses.asdict(r) for r in done]})
+        finish_early(STATUS_INTERRUPTED)
         raise
-    status = STATUS_FAILED if summary["counts"]["fail"] else STATUS_OK
+    except BaseException as exc:
+        finish_early(STATUS_FAILED, reason=f"{type(exc).__name__}: {exc}")
+        raise
+    reason = no_check_ran(summary)
+    status = STATUS_FAILED if summary["counts"]["fail"] or reason else STATUS_OK
     summary = {"status": status, "run_id": run_dir.run_id if run_dir else None,
-               "run_dir": str(run_dir.path) if run_dir else None, **summary}
+               "run_dir": str(run_dir.path) if run_dir else None, **({"reason": reason} if reason else {}),
+               **summary}
     if run_dir is not None:
         run_dir.finish(status, {k: v for k, v in summary.items() if k != "status"})
     return summary
