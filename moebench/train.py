@@ -23,7 +23,7 @@ from typing import Callable
 
 from moebench import results
 from moebench.errors import RunFailed
-from moebench.distributed.launch import RankContext, launch, under_torchrun
+from moebench.distributed.launch import RankContext, launch, sigterm_as_interrupt, under_torchrun
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -142,43 +142,48 @@ def execute_run(
     `label` names the run in the plot title (e.g. "fastmoe (reference backend)"); default `kind`.
     """
     writer = not under_torchrun() or int(os.environ["RANK"]) == 0
-    run = results.RunDir.create(kind, name, results_root) if writer else None
-    if run is not None:
-        run.write_json("config.json", config)
-        run.write_json("env.json", (env_summary or _default_env_summary)())
-        run.start({"kind": kind, "run_id": run.run_id})
-    run_path = run.path if run else None
-    started = time.time()
-    try:
-        if world_size == 1 and not under_torchrun():
-            ctx = RankContext(rank=0, world_size=1, local_rank=0, backend="none", device="cpu")
-            rank_summary = rank_fn(ctx, run_path, *rank_args)
-        else:
-            outcome = launch(rank_fn, world_size, args=(run_path, *rank_args), backend=backend,
-                             timeout_s=timeout_s, label=f"run {kind}")
-            if not outcome.ok:
-                raise RunFailed(outcome.describe(), run_path)
-            rank_summary = outcome.returns[0]
-    except KeyboardInterrupt:
-        if run is not None:
-            run.finish(results.STATUS_INTERRUPTED, {"kind": kind, "run_id": run.run_id,
-                                                    "wall_time_s": time.time() - started,
-                                                    "error": "interrupted (Ctrl-C or SIGTERM)"})
-        raise
-    except BaseException as exc:
-        if run is not None:
-            run.finish(results.STATUS_FAILED, {"kind": kind, "run_id": run.run_id,
-                                               "wall_time_s": time.time() - started,
-                                               "error": f"{type(exc).__name__}: {exc}"})
-        if isinstance(exc, RunFailed):
+    with sigterm_as_interrupt():  # SIGTERM is recorded like Ctrl-C: "interrupted", ranks killed
+        run = results.RunDir.create(kind, name, results_root) if writer else None
+        run_path = run.path if run else None
+        started = time.time()
+        try:
+            if run is not None:
+                run.write_json("config.json", config)
+                run.write_json("env.json", (env_summary or _default_env_summary)())
+                run.start({"kind": kind, "run_id": run.run_id})
+            rank_summary = _run_ranks(rank_fn, world_size, run_path, rank_args, backend, timeout_s, kind)
+        except KeyboardInterrupt:
+            if run is not None:
+                run.finish(results.STATUS_INTERRUPTED, {"kind": kind, "run_id": run.run_id,
+                                                        "wall_time_s": time.time() - started,
+                                                        "error": "interrupted (Ctrl-C or SIGTERM)"})
             raise
-        raise RunFailed(f"{type(exc).__name__}: {exc}", run_path) from exc
+        except BaseException as exc:
+            if run is not None:
+                run.finish(results.STATUS_FAILED, {"kind": kind, "run_id": run.run_id,
+                                                   "wall_time_s": time.time() - started,
+                                                   "error": f"{type(exc).__name__}: {exc}"})
+            if isinstance(exc, RunFailed):
+                raise
+            raise RunFailed(f"{type(exc).__name__}: {exc}", run_path) from exc
     summary = {"kind": kind, "run_id": run.run_id if run else None,
                "wall_time_s": time.time() - started, **rank_summary}
     if run is not None:
         _plot(run, title=f"{label or kind}  {run.run_id}")
         run.finish(results.STATUS_OK, summary)
     return RunOutcome(run_path=run_path, summary={"status": results.STATUS_OK, **summary})
+
+
+def _run_ranks(rank_fn, world_size, run_path, rank_args, backend, timeout_s, kind) -> dict:
+    """One process runs in-process (no process group); N ranks go through `launch`."""
+    if world_size == 1 and not under_torchrun():
+        ctx = RankContext(rank=0, world_size=1, local_rank=0, backend="none", device="cpu")
+        return rank_fn(ctx, run_path, *rank_args)
+    outcome = launch(rank_fn, world_size, args=(run_path, *rank_args), backend=backend,
+                     timeout_s=timeout_s, label=f"run {kind}")
+    if not outcome.ok:
+        raise RunFailed(outcome.describe(), run_path)
+    return outcome.returns[0]
 
 
 def _plot(run: results.RunDir, *, title: str) -> None:

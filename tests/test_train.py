@@ -86,3 +86,29 @@ def test_interrupted_run_is_recorded(monkeypatch):
         execute_run(kind="toy", name="i", config={}, world_size=1, rank_fn=interrupting_rank)
     (run,) = results.latest_runs("toy")
     assert results.read_json(run / "summary.json")["status"] == "interrupted"
+
+
+def test_sigterm_during_a_run_is_recorded_as_interrupted(tmp_path):
+    """A single-process run killed politely (SIGTERM) still says so in summary.json."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import time\n"
+        "from moebench.train import execute_run\n"
+        "def slow(ctx, run_path):\n"
+        "    print('running', flush=True)\n"
+        "    time.sleep(600)\n"
+        "execute_run(kind='toy', name='term', config={}, world_size=1, rank_fn=slow)\n")
+    env = {**os.environ, "MOEBENCH_RESULTS": str(tmp_path / "results")}
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline().strip() == "running"
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=30)
+    assert proc.returncode != 0
+    (run,) = results.latest_runs("toy", root=tmp_path / "results")
+    assert results.read_json(run / "summary.json")["status"] == "interrupted"

@@ -22,6 +22,7 @@ Guarantees, whatever the function does:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import dataclasses
 import datetime
@@ -183,11 +184,12 @@ def _launch_local(fn, args, world_size, backend, timeout_s, label, env, method) 
     # that did not survive the fork.
     gc.collect()
     workdir = Path(tempfile.mkdtemp(prefix="moebench-launch-"))
+    stack = contextlib.ExitStack()
     procs: list[mp.process.BaseProcess] = []
     status = "ok"
     stuck: list[int] = []
-    previous_term = _install_sigterm_as_interrupt()
     try:
+        stack.enter_context(sigterm_as_interrupt())
         for rank in range(world_size):
             p = ctx.Process(
                 target=_child_main,
@@ -219,7 +221,7 @@ def _launch_local(fn, args, world_size, backend, timeout_s, label, env, method) 
         raise
     finally:
         _kill_all(procs)
-        signal.signal(signal.SIGTERM, previous_term)
+        stack.close()
     returns: list[Any] = [None] * world_size
     errors: dict[int, str] = {}
     stacks: dict[int, str] = {}
@@ -376,16 +378,23 @@ def _signal(p, sig) -> None:
         pass
 
 
-def _install_sigterm_as_interrupt():
-    """SIGTERM to the parent behaves like Ctrl-C: kill every rank, then leave."""
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """Inside, SIGTERM behaves like Ctrl-C (KeyboardInterrupt), so the same clean-up runs: ranks
+    killed, the run's files saying "interrupted". Outside the main thread it changes nothing."""
 
     def handler(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
 
     try:
-        return signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread: leave SIGTERM alone
-        return signal.getsignal(signal.SIGTERM)
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # signals can only be set from the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 # --------------------------------------------------------------------------- torchrun

@@ -15,13 +15,12 @@ import importlib
 import math
 import os
 import platform
-import signal
 import time
 from typing import Any, Callable
 
 import torch
 
-from moebench.distributed.launch import launch, resolve_backend, under_torchrun
+from moebench.distributed.launch import launch, resolve_backend, sigterm_as_interrupt, under_torchrun
 from moebench.errors import UserError
 from moebench.results import STATUS_FAILED, STATUS_INTERRUPTED, STATUS_OK, RunDir
 from moebench.parity.compare import TOLERANCE_MODES, Comparison
@@ -256,18 +255,6 @@ def no_check_ran(summary: dict[str, Any]) -> str:
     return f"no check ran: all {len(skipped)} selected check(s) were skipped: " + "; ".join(skipped)
 
 
-def _sigterm_as_interrupt():
-    """SIGTERM anywhere in the run (a preload, between checks) behaves like Ctrl-C."""
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    try:
-        return signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread: leave SIGTERM alone
-        return None
-
-
 def verify_parity(config: ParityConfig, *, results_dir: str | None = None,
                   on_record: Callable[[CheckRecord], None] | None = None) -> dict[str, Any]:
     """Validate, run, and save under results/parity/<run-id>/ (rank 0 only). Returns the summary.
@@ -277,12 +264,8 @@ def verify_parity(config: ParityConfig, *, results_dir: str | None = None,
     propagate as KeyboardInterrupt; any other exception writes "failed" and propagates."""
     select(list(config.checks) or None)  # unknown names fail before any folder exists
     is_writer = not under_torchrun() or int(os.environ.get("RANK", "0")) == 0
-    previous_term = _sigterm_as_interrupt()
-    try:
+    with sigterm_as_interrupt():
         return _run_and_save(config, results_dir, on_record, is_writer)
-    finally:
-        if previous_term is not None:
-            signal.signal(signal.SIGTERM, previous_term)
 
 
 def _run_and_save(config, results_dir, on_record, is_writer) -> dict[str, Any]:
