@@ -2,17 +2,19 @@
 #   make all    create .venv, install, run every experiment and the parity suite
 #   make test   install if needed, run the default test suite
 #
-# Torch is always installed pinned. Override the pin for another build, e.g. a CUDA wheel:
-#   make all TORCH_SPEC="torch==2.13.0" PIP_EXTRA="--index-url https://<your-torch-index>"
-PYTHON      ?= python3
-VENV        ?= .venv
-TORCH_SPEC  ?= torch==2.13.0
-PIP_EXTRA   ?=
-PYTEST_ARGS ?=
-WORLD_SIZE  ?= 4
+# Torch is always installed pinned (== a version, @ a URL, or a wheel file). Override the pin or
+# where torch comes from, never drop it; TORCH_PIP_ARGS applies to the torch install only:
+#   make all TORCH_SPEC="torch==2.13.0" TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+PYTHON         ?= python3
+VENV           ?= .venv
+TORCH_SPEC     ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
+PYTEST_ARGS    ?=
+WORLD_SIZE     ?= 4
 
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.moebench-installed
+# One stamp per torch spec: changing TORCH_SPEC reinstalls torch into the same .venv.
+STAMP := $(VENV)/.moebench-installed-$(shell printf '%s %s' '$(TORCH_SPEC)' '$(TORCH_PIP_ARGS)' | cksum | cut -d' ' -f1)
 
 .PHONY: all install test test-all env-check run-all verify-parity clean
 
@@ -21,10 +23,11 @@ all: install env-check run-all verify-parity
 install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
-	@case "$(TORCH_SPEC)" in *[=\<\>~@/]*) ;; *) echo "TORCH_SPEC must pin a version (e.g. torch==2.13.0), got '$(TORCH_SPEC)'"; exit 2;; esac
+	@case "$(TORCH_SPEC)" in *==*|*@*|*.whl) ;; *) echo "TORCH_SPEC must pin torch (torch==X.Y.Z, torch @ URL or a .whl), got '$(TORCH_SPEC)'"; exit 2;; esac
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet $(PIP_EXTRA) "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet $(PIP_EXTRA) -e '.[test]'
+	$(BIN)/pip install --quiet $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e '.[test]'
+	@rm -f $(VENV)/.moebench-installed-*
 	@touch $(STAMP)
 
 test: install

@@ -33,20 +33,27 @@ STATUS_INTERRUPTED = "interrupted"
 
 
 def results_root(root: str | os.PathLike | None = None) -> Path:
-    return Path(root if root is not None else os.environ.get(RESULTS_ENV, "results"))
+    """--results-dir, else $MOEBENCH_RESULTS, else ./results (an empty value counts as unset)."""
+    chosen = root if root is not None and str(root) != "" else os.environ.get(RESULTS_ENV) or "results"
+    return Path(chosen)
 
 
 def check_root(root: str | os.PathLike | None, kind: str) -> Path:
-    """Validate `--results-dir` before anything runs: the first existing part of <root>/<kind> must
-    be a folder, or creating the run folder would fail half-way. Returns <root>/<kind>."""
+    """Validate `--results-dir` before anything runs, so a run never fails half-way on it: the
+    first existing part of <root>/<kind> must be a writable folder. Returns <root>/<kind>."""
     from moebench.errors import UserError
 
+    if root is not None and str(root) == "":
+        raise UserError("is empty; pass a folder (or leave it out for ./results)", flag="--results-dir")
     target = results_root(root).absolute() / kind
     folder = target
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
     if not folder.is_dir():
         raise UserError(f"{folder} exists and is not a folder; pass a folder", flag="--results-dir")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UserError(f"cannot create {target}: {folder} is not writable; pass a writable folder",
+                        flag="--results-dir")
     return target
 
 
@@ -109,8 +116,14 @@ class RunDir:
     @classmethod
     def create(cls, kind: str, name: str = "", root: str | os.PathLike | None = None,
                run_id: str | None = None) -> "RunDir":
+        check_root(root, kind)
         path = results_root(root) / kind / (run_id or new_run_id(name))
-        path.mkdir(parents=True, exist_ok=False)
+        try:
+            path.mkdir(parents=True, exist_ok=False)
+        except OSError as exc:  # a race, or a file system that refuses (read-only, /proc, full)
+            from moebench.errors import UserError
+
+            raise UserError(f"cannot create {path}: {exc.strerror or exc}", flag="--results-dir") from None
         return cls(path)
 
     @property

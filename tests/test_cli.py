@@ -33,3 +33,33 @@ def test_unknown_command_is_a_usage_error():
 def test_python_dash_m_entry_point():
     out = subprocess.run([sys.executable, "-m", "moebench", "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == f"moebench {__version__}"
+
+
+def test_flag_parsing_errors_are_one_line_and_exit_2():
+    for args in (["run", "fastmoe", "--steps", "abc"], ["verify-parity", "-n", "abc"],
+                 ["run", "fastmoe", "--no-such-flag"], ["env-check", "--probe-timeout", "x"]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, (args, result.output)
+        lines = [line for line in result.output.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: "), (args, result.output)
+
+
+def test_results_dir_that_cannot_be_created_is_bad_input(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for command in (["run", "fastmoe"], ["env-check", "--no-probe"]):
+        result = runner.invoke(app, [*command, "--results-dir", str(blocker)])
+        assert result.exit_code == 2 and "--results-dir" in result.output
+    result = runner.invoke(app, ["run", "fastmoe", "--results-dir", ""])
+    assert result.exit_code == 2 and "--results-dir" in result.output
+
+
+def test_ctrl_c_in_a_command_says_interrupted_and_exits_130(monkeypatch):
+    from moebench import fastmoe_run
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fastmoe_run, "run", interrupted)
+    result = runner.invoke(app, ["run", "fastmoe"])
+    assert result.exit_code == 130 and "interrupted" in result.output

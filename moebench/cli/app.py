@@ -7,6 +7,9 @@ import sys
 import typer
 from typer.core import TyperGroup
 
+# typer >= 0.29 vendors click; its usage errors live here (pyproject pins typer>=0.29)
+from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
+
 from moebench import __version__
 from moebench.errors import RunFailed, UserError
 
@@ -14,9 +17,32 @@ from moebench.errors import RunFailed, UserError
 class _Group(TyperGroup):
     """Root group: the one place errors meant for users become messages and exit codes.
 
-    UserError (bad input) -> one line, exit 2. RunFailed (a run started and failed; its folder
-    says so) -> the reason and the folder, exit 1.
+    - UserError (bad input) and flag-parsing errors -> one line `error: ...`, exit 2;
+    - RunFailed (a run started and failed; its folder says so) -> the reason and the folder, exit 1;
+    - Ctrl-C / SIGTERM -> `interrupted`, exit 130 (the run's files say "interrupted").
     """
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            rv = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
+                              standalone_mode=False, **extra)
+            code = rv if isinstance(rv, int) else 0
+        except NoArgsIsHelpError as exc:  # `moebench` alone: the help, not an error line
+            typer.echo(exc.ctx.get_help() if exc.ctx else str(exc), err=True)
+            code = exc.exit_code
+        except UsageError as exc:
+            where = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx else ""
+            typer.echo(f"error: {exc.format_message()}{where}", err=True)
+            code = exc.exit_code
+        except ClickException as exc:
+            exc.show()
+            code = exc.exit_code
+        except typer.Abort:
+            typer.echo("interrupted", err=True)
+            code = 130
+        if standalone_mode:
+            sys.exit(code)
+        return code
 
     def invoke(self, ctx):
         try:
@@ -28,6 +54,10 @@ class _Group(TyperGroup):
             where = f"\nresults: {exc.run_path}" if exc.run_path else ""
             typer.echo(f"run failed: {exc}{where}", err=True)
             raise typer.Exit(code=exc.exit_code) from None
+        except KeyboardInterrupt:
+            typer.echo("interrupted (Ctrl-C or SIGTERM): every rank was stopped; the run's "
+                       "summary.json says \"interrupted\"", err=True)
+            raise typer.Exit(code=130) from None
 
 
 app = typer.Typer(
@@ -67,8 +97,4 @@ _compose()
 
 
 def main() -> None:
-    try:
-        app()
-    except KeyboardInterrupt:
-        typer.echo("interrupted", err=True)
-        sys.exit(130)
+    app()
