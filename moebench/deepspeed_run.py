@@ -23,6 +23,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -33,7 +34,7 @@ import torch
 
 from moebench import config as shared_config
 from moebench import results
-from moebench.distributed.launch import PG_TIMEOUT_FRACTION, RankContext, under_torchrun
+from moebench.distributed.launch import PG_TIMEOUT_FRACTION, RankContext, resolve_backend, under_torchrun
 from moebench.errors import UserError
 from moebench.models.deepspeed_moe import NOISY_GATE_POLICIES
 from moebench.train import LoopSpec, RunOutcome, execute_run, loss_summary, train_loop
@@ -51,6 +52,13 @@ NO_COMPILE_OPTIMIZERS = ("adam", "adamw", "adagrad")
 """ds_config optimizer types that run without a compiled op (plus any torch.optim class name)."""
 _NEVER_PRINT = 2**31 - 1
 """steps_per_print: moebench prints its own progress."""
+HANG_DEADLINE_FLOOR_S = 1800.0
+"""Smallest default --timeout: the chapter preset takes 1.5 min idle, 8.5 min on 2 busy cores."""
+DEADLINE_S_PER_WEIGHT_STEP = 3e-7
+"""Default --timeout grows by this per (weight x step): 4x the slowest rate measured (2.5 s per
+step of the chapter's ~36 M weights on 2 busy cores), so only longer runs get longer deadlines."""
+HALF_PRECISION_KEYS = ("fp16", "bf16", "bfloat16")
+"""ds_config sections that switch DeepSpeed to half precision ("bfloat16" is bf16's old name)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -105,8 +113,9 @@ class DeepSpeedRunConfig:
     """Ranks (local, or the launcher's WORLD_SIZE under torchrun / deepspeed)."""
     backend: str = "auto"
     """auto | gloo | nccl for the launched ranks."""
-    timeout_s: float = 3600.0
-    """Deadline of the whole run on N ranks; a hung rank is dumped and killed at this point."""
+    timeout_s: float | None = None
+    """Deadline of the whole run on N ranks (hung ranks are dumped and killed then); None: the
+    default, max(HANG_DEADLINE_FLOOR_S, steps x weights x DEADLINE_S_PER_WEIGHT_STEP)."""
     compiled_ops: bool = False
     """Allow DeepSpeed's JIT-compiled ops (shm comm op, FusedAdam, CPUAdam, ...)."""
     ds_config_path: str | None = None
@@ -161,6 +170,8 @@ class DeepSpeedRunConfig:
             raise UserError(f"each rank routes {self.batch}x{self.seq}={self.tokens_per_rank} tokens per step, "
                             f"fewer than --min-capacity {self.min_capacity}; lower --min-capacity or raise "
                             "--batch / --seq", flag="--min-capacity")
+        if self.timeout_s is None:
+            self.timeout_s = self.default_timeout_s
         positive_floats = {"--capacity-factor": self.capacity_factor,
                            "--eval-capacity-factor": self.eval_capacity_factor, "--lr": self.lr,
                            "--timeout": self.timeout_s}
@@ -196,6 +207,24 @@ class DeepSpeedRunConfig:
     @property
     def steps_per_epoch(self) -> int:
         return self.samples // (self.batch * self.world_size)
+
+    @property
+    def weights(self) -> int:
+        """Approximate weight count (attention + experts + gates; biases and norms left out)."""
+        d, h = self.d_model, self.d_hidden
+        return sum(4 * d * d + (e + self.use_residual) * 2 * d * h + d * e for e in self.experts_per_layer)
+
+    @property
+    def default_timeout_s(self) -> float:
+        steps = self.epochs * max(1, self.steps_per_epoch)
+        return max(HANG_DEADLINE_FLOOR_S, float(math.ceil(steps * self.weights * DEADLINE_S_PER_WEIGHT_STEP)))
+
+
+def comm_backend(config: DeepSpeedRunConfig) -> str:
+    """The torch.distributed backend the ranks use, as `launch` resolves --backend with the local
+    world size; one in-process rank (world size 1) opens a one-rank group resolved the same way."""
+    ranks = shared_config.local_ranks(config.world_size) if under_torchrun() else config.world_size
+    return resolve_backend(config.backend, ranks)
 
 
 # --------------------------------------------------------------------------- presets and --ds-config
@@ -335,6 +364,7 @@ def build_ds_config(config: DeepSpeedRunConfig) -> dict:
     _set(merged, ("optimizer", "params", "lr"), config.lr)
     merged.setdefault("optimizer", {}).setdefault("type", "Adam")
     _check_ds_config(merged, config)
+    _check_half_precision(merged)
     merged["train_batch_size"] = config.batch * config.world_size
     return merged
 
@@ -354,6 +384,16 @@ def _check_ds_config(ds: dict, config: DeepSpeedRunConfig) -> None:
         if needs:
             raise UserError(f"{'; '.join(needs)} needs a JIT-compiled DeepSpeed op (minutes on first use); "
                             "add --compiled-ops to allow it, or remove it", flag="--ds-config")
+
+
+def _check_half_precision(ds: dict) -> None:
+    """fp16 / bf16 need DeepSpeed's CUDA accelerator: on CPU, deepspeed.initialize rejects fp16 and
+    the model's LayerNorm fails on bf16 weights - after the run folder exists."""
+    enabled = [key for key in HALF_PRECISION_KEYS if isinstance(ds.get(key), dict) and ds[key].get("enabled") is True]
+    on_cuda = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") == "cuda"
+    if enabled and not on_cuda:
+        raise UserError(f"{enabled[0]}.enabled=true needs a CUDA GPU and DeepSpeed runs on the CPU here "
+                        "(fp32 only); remove it or set it to false", flag="--ds-config")
 
 
 def compiled_op_settings(ds: dict) -> list[str]:
@@ -376,12 +416,12 @@ def compiled_op_settings(ds: dict) -> list[str]:
 
 
 @contextlib.contextmanager
-def deepspeed_comm(ctx: RankContext, *, compiled_ops: bool, timeout_s: float):
+def deepspeed_comm(ctx: RankContext, *, compiled_ops: bool, timeout_s: float, backend: str | None = None):
     """DeepSpeed's comm layer on this rank's process group, without building the shm op.
 
     In-process (world size 1, ctx.backend == "none") there is no process group: open a one-rank
-    group on a private FileStore (no port at all) and destroy it afterwards. Yields the seconds
-    `deepspeed.init_distributed` took."""
+    group (`backend`, default nccl on a CUDA accelerator else gloo) on a private FileStore (no port
+    at all) and destroy it afterwards. Yields the seconds `deepspeed.init_distributed` took."""
     import deepspeed
     import deepspeed.comm
     import deepspeed.ops
@@ -399,7 +439,7 @@ def deepspeed_comm(ctx: RankContext, *, compiled_ops: bool, timeout_s: float):
             from deepspeed.accelerator import get_accelerator
 
             store_dir = tempfile.mkdtemp(prefix="moebench-ds-store-")
-            backend = "nccl" if get_accelerator().device_name() == "cuda" else "gloo"
+            backend = backend or ("nccl" if get_accelerator().device_name() == "cuda" else "gloo")
             timeout = datetime.timedelta(seconds=max(1.0, timeout_s * PG_TIMEOUT_FRACTION))
             dist.init_process_group(backend, store=dist.FileStore(os.path.join(store_dir, "store"), 1),
                                     rank=0, world_size=1, timeout=timeout)
@@ -551,12 +591,13 @@ def deepspeed_rank(ctx: RankContext, run_path, config_dict: dict, show_progress:
     ds_config = build_ds_config(config)
     writer = results.RunDir(Path(run_path)) if (ctx.is_main and run_path) else None
 
-    with _stdout_to_stderr(), deepspeed_comm(ctx, compiled_ops=config.compiled_ops,
-                                               timeout_s=config.timeout_s) as init_s:
+    with _stdout_to_stderr(), deepspeed_comm(ctx, compiled_ops=config.compiled_ops, timeout_s=config.timeout_s,
+                                               backend=comm_backend(config)) as init_s:
         import torch.distributed as dist
 
         timings["init_distributed_s"] = init_s
         rank, world = dist.get_rank(), dist.get_world_size()
+        used_backend = dist.get_backend()  # what really ran (recorded beside the predicted one)
         model = build_model(config, ep_rank=rank % config.ep_size)
         params = count_params(model, ep_size=config.ep_size)
         if writer:
@@ -625,7 +666,7 @@ def deepspeed_rank(ctx: RankContext, run_path, config_dict: dict, show_progress:
 
     per_epoch = config.steps_per_epoch
     summary = {
-        "world_size": world, "ep_size": config.ep_size, "device": str(device),
+        "world_size": world, "comm_backend": used_backend, "ep_size": config.ep_size, "device": str(device),
         "experts_per_layer": list(config.experts_per_layer), "steps_per_epoch": per_epoch,
         "params": {"total": params["total"], **params["by_category"]},
         "epoch_loss": history["epoch_avg_loss"],
@@ -644,7 +685,7 @@ def deepspeed_rank(ctx: RankContext, run_path, config_dict: dict, show_progress:
 
 def run(config: DeepSpeedRunConfig, *, results_root=None, show_progress: bool = True) -> RunOutcome:
     """Train one configuration and record it under results/deepspeed/<run-id>/."""
-    record = {**dataclasses.asdict(config), "ds_config": build_ds_config(config)}
+    record = {**dataclasses.asdict(config), "comm_backend": comm_backend(config), "ds_config": build_ds_config(config)}
     return execute_run(kind=KIND, name=config.preset, config=record, world_size=config.world_size,
                        rank_fn=deepspeed_rank, rank_args=(dataclasses.asdict(config), show_progress),
                        backend=config.backend, timeout_s=config.timeout_s, results_root=results_root,

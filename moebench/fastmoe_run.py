@@ -14,6 +14,7 @@ then follow the one-process loss curve (see moebench/distributed/expert_parallel
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import torch
 
 from moebench import config as shared_config
 from moebench import results
-from moebench.distributed.launch import RankContext, under_torchrun
+from moebench.distributed.launch import RankContext, resolve_backend as resolve_comm_backend, under_torchrun
 from moebench.errors import UserError
 from moebench.models.moe import BACKENDS, GATES, build_moe_mlp, resolve_backend
 from moebench.models.moe.gates import FIXED_TOP_K
@@ -31,6 +32,11 @@ from moebench.train import LoopSpec, execute_run, loss_summary, train_loop
 KIND = "fastmoe"
 EVAL_SEED_OFFSET = 1_000_003
 """The held-out batch is drawn from seed + this, so it never overlaps the training batches."""
+HANG_DEADLINE_FLOOR_S = 1800.0
+"""Smallest default --timeout: the chapter preset (10 steps of 273 M weights) takes 1-2 min idle."""
+DEADLINE_S_PER_WEIGHT_STEP = 6e-7
+"""Default --timeout grows by this per (weight x step): ~20x the 3.3e-8 measured on 2 idle cores
+(9 s per step of the chapter's 273 M weights, mostly Adam), room for a busy machine."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -122,6 +128,26 @@ class FastMoERunConfig:
     @property
     def tokens_per_step(self) -> int:
         return self.batch_size * self.seq_len
+
+    @property
+    def weights(self) -> int:
+        """Approximate weight count (attention + experts + gate; biases and norms left out)."""
+        d, h, e = self.d_model, self.d_hidden, self.experts
+        return self.layers * (4 * d * d + e * 2 * d * h + d * e)
+
+    @property
+    def default_timeout_s(self) -> float:
+        """The hang deadline of a multi-rank run unless --timeout gives one."""
+        return max(HANG_DEADLINE_FLOOR_S, float(math.ceil(self.steps * self.weights * DEADLINE_S_PER_WEIGHT_STEP)))
+
+
+def comm_backend(config: FastMoERunConfig) -> str:
+    """The torch.distributed backend of the ranks: "none" for one in-process rank, else gloo for
+    --device cpu and, for cuda, what `launch` resolves "auto" to with the local world size."""
+    if config.world_size == 1 and not under_torchrun():
+        return "none"
+    return resolve_comm_backend("gloo" if config.device == "cpu" else "auto",
+                                shared_config.local_ranks(config.world_size))
 
 
 def preset_names() -> list[str]:
@@ -252,7 +278,7 @@ def fastmoe_rank(ctx: RankContext, run_path, config_dict: dict, show_progress: b
     if writer:
         writer.close()
     return {
-        "backend": config.backend, "world_size": ctx.world_size, "device": device,
+        "backend": config.backend, "world_size": ctx.world_size, "comm_backend": ctx.backend, "device": device,
         "params": params["totals"], "loss": loss_summary(history), "eval_loss": eval_loss,
         "steps": history["steps"], "train_time_s": history["train_time_s"],
         "tokens_per_s": history["tokens_per_s"], "tokens_per_step": config.tokens_per_step,
@@ -283,11 +309,16 @@ def params_table(model, *, ep_size: int) -> dict:
     return {"totals": totals, "per_layer": counted["per_layer"], "ep_size": ep_size}
 
 
-def run(config: FastMoERunConfig, *, results_root=None, timeout_s: float = 24 * 3600.0,
+def run(config: FastMoERunConfig, *, results_root=None, timeout_s: float | None = None,
         show_progress: bool = True):
-    """Train one configuration and record it; returns train.RunOutcome."""
-    return execute_run(kind=KIND, name=config.preset, config=dataclasses.asdict(config),
+    """Train one configuration and record it; returns train.RunOutcome.
+
+    `timeout_s` is the hang deadline of a multi-rank run (None: config.default_timeout_s)."""
+    timeout_s = config.default_timeout_s if timeout_s is None else timeout_s
+    comm = comm_backend(config)
+    record = {**dataclasses.asdict(config), "comm_backend": comm, "timeout_s": timeout_s}
+    return execute_run(kind=KIND, name=config.preset, config=record,
                        world_size=config.world_size, rank_fn=fastmoe_rank,
                        rank_args=(dataclasses.asdict(config), show_progress),
-                       timeout_s=timeout_s, results_root=results_root,
-                       label=f"fastmoe ({config.backend} backend)")
+                       backend="auto" if comm == "none" else comm, timeout_s=timeout_s,
+                       results_root=results_root, label=f"fastmoe ({config.backend} backend)")

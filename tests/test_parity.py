@@ -98,6 +98,18 @@ def test_select_and_parse_impls_reject_bad_input():
         with pytest.raises(UserError, match="--impl"):
             registry.parse_impls([spec])
     assert registry.parse_impls(["all-gather=moebench.distributed.collectives:all_gather_variable"])
+    with pytest.raises(UserError, match="--impl: all-gather is given twice"):
+        registry.parse_impls(["all-gather=moebench.distributed.collectives:all_gather_variable"] * 2)
+
+
+def test_an_impl_no_selected_check_uses_is_rejected():
+    from moebench.parity.runner import ParityConfig
+
+    impls = {"experts": "os:path"}
+    with pytest.raises(UserError, match=r"--impl: no selected check uses experts \(used by: experts\)"):
+        ParityConfig(world_size=2, checks=("ddp-sgd", "ddp-adam"), impls=impls)
+    assert ParityConfig(world_size=2, checks=("ddp-sgd", "experts"), impls=impls).impls == impls
+    assert ParityConfig(world_size=2, impls=impls).impls == impls  # all checks: experts is among them
 
 
 # ------------------------------------------------------------------ CLI input errors
@@ -108,6 +120,10 @@ def test_select_and_parse_impls_reject_bad_input():
     (["--world-size", "0"], "--world-size"),
     (["--impl", "experts=no_such_pkg.mod:Experts"], "--impl"),
     (["--impl", "experts"], "--impl"),
+    # an --impl no selected check uses, and a key given twice, would each be silently ignored
+    (["--impl", "experts=moebench.distributed.expert_parallel:dispatch", "--checks", "ddp-sgd"], "--impl"),
+    (["--impl", "all-gather=moebench.distributed.collectives:all_gather_variable",
+      "--impl", "all-gather=moebench.distributed.collectives:all_gather_variable"], "--impl"),
     (["--tolerance", "loose"], "--tolerance"),
     (["--timeout", "0"], "--timeout"),
     (["--backend", "mpi"], "--backend"),

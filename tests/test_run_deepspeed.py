@@ -82,6 +82,9 @@ DS_CONFIGS = [
     ('{"zero_optimization": {"stage": "2"}}', [], "must be an integer ZeRO stage (0, 1 or 2), got '2'"),
     ('{"zero_optimization": {"stage": 4}}', [], "unknown ZeRO stage 4"),
     ('{"train_micro_batch_size_per_gpu": 2.5}', [], "must be a positive integer, got 2.5"),
+    # half precision on the CPU engine fails inside deepspeed.initialize, after the folder exists
+    ('{"fp16": {"enabled": true}}', [], "fp16.enabled=true needs a CUDA GPU"),
+    ('{"bf16": {"enabled": true}}', [], "bf16.enabled=true needs a CUDA GPU"),
 ]
 
 
@@ -215,6 +218,55 @@ def test_dropped_tokens_top2_match_a_hand_made_routing():
     fractions = deepspeed_run._drop_fractions(rec.routes, rec.dropped, rec.tokens, rec.dropped_tokens)
     assert fractions["dropped_route_frac"] == 0.5 and fractions["dropped_token_frac"] == 0.25
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU rule against a faked CUDA")
+def test_half_precision_is_allowed_where_deepspeed_runs_on_cuda(tmp_path, monkeypatch):
+    path = _write(tmp_path, "ds.json", '{"fp16": {"enabled": true}, "bf16": {"enabled": false}}')
+    with pytest.raises(UserError, match="fp16.enabled=true needs a CUDA GPU"):
+        deepspeed_run.resolve_config("quick", {"ds_config_path": path})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    config = deepspeed_run.resolve_config("quick", {"ds_config_path": path})
+    assert deepspeed_run.build_ds_config(config)["fp16"] == {"enabled": True}
+
+
+def test_default_deadline_bounds_a_hang_and_grows_with_the_run():
+    quick, chapter = deepspeed_run.resolve_config("quick", {}), deepspeed_run.resolve_config("chapter", {})
+    assert quick.timeout_s == deepspeed_run.HANG_DEADLINE_FLOOR_S == 1800
+    # the chapter run (200 steps of ~36 M weights) gets a little more than the floor, not an hour
+    assert 1800 < chapter.timeout_s < 2400
+    longer = deepspeed_run.resolve_config("chapter", {"epochs": 50})
+    assert longer.timeout_s == pytest.approx(10 * chapter.timeout_s, rel=1e-3)
+    assert deepspeed_run.resolve_config("chapter", {"timeout_s": 5.0}).timeout_s == 5.0
+
+
+def test_comm_backend_is_what_launch_resolves(monkeypatch):
+    import torch.distributed as dist
+
+    assert deepspeed_run.comm_backend(deepspeed_run.resolve_config("quick", {})) == "gloo"
+    assert deepspeed_run.comm_backend(deepspeed_run.resolve_config("quick", {"world_size": 2})) == "gloo"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    assert deepspeed_run.comm_backend(deepspeed_run.resolve_config("quick", {"world_size": 2})) == "nccl"
+    assert deepspeed_run.comm_backend(deepspeed_run.resolve_config("quick", {"world_size": 2,
+                                                                          "backend": "gloo"})) == "gloo"
+
+
+def test_failed_run_with_json_prints_one_json_document(tmp_path, monkeypatch):
+    def broken_rank(*args, **kwargs):
+        raise RuntimeError("rank 0 broke on purpose")
+
+    monkeypatch.setattr(deepspeed_run, "deepspeed_rank", broken_rank)
+    root = tmp_path / "results"
+    args = ["run", "deepspeed", "--preset", "quick", "--results-dir", str(root)]
+    result = runner.invoke(app, [*args, "--json"])
+    assert result.exit_code == 1, result.output
+    doc = json.loads(result.stdout)
+    assert doc["status"] == "failed" and "rank 0 broke on purpose" in doc["error"]
+    assert results.read_json(Path(doc["run_path"]) / "summary.json")["error"] == doc["error"]
+    human = runner.invoke(app, args)  # without --json: the root group's message, exit 1
+    assert human.exit_code == 1 and "run failed: RuntimeError: rank 0 broke on purpose" in human.output
+    assert "1 rank(s) over gloo" in human.output  # the console header names the comm backend
+
 
 # --------------------------------------------------------------------------- in-process runs
 
@@ -259,6 +311,9 @@ def test_quick_run_writes_every_file(quick_runs):
     assert [r["key"] for r in summary["chapter_comparison"]] == ["epoch_loss.1", "epoch_loss.5"]
     recorded = results.read_json(outcome.run_path / "config.json")
     assert recorded["ds_config"]["optimizer"]["params"]["torch_adam"] is True
+    # the comm backend: predicted in config.json, what really ran in summary.json (not "auto")
+    assert recorded["backend"] == "auto" and recorded["comm_backend"] == summary["comm_backend"] == "gloo"
+    assert recorded["timeout_s"] == deepspeed_run.HANG_DEADLINE_FLOOR_S
 
 
 def test_quick_run_routing_counts_add_up(quick_runs):

@@ -34,6 +34,7 @@ def test_two_rank_expert_parallel_run(tmp_path, refuse_op_builds, no_leftover_ch
     outcome = deepspeed_run.run(config, results_root=tmp_path / "results", show_progress=False)
     summary = results.read_json(outcome.run_path / "summary.json")
     assert summary["status"] == "ok" and summary["world_size"] == 2 and summary["ep_size"] == 2
+    assert summary["comm_backend"] == results.read_json(outcome.run_path / "config.json")["comm_backend"] == "gloo"
     # Each rank holds half the experts; the table counts the global model, the same as on one process.
     whole = count_params(deepspeed_run.build_model(deepspeed_run.resolve_config("quick", {})))
     assert summary["params"]["total"] == whole["total"]

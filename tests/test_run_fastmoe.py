@@ -94,6 +94,9 @@ def test_quick_run_records_everything():
     assert files == ["config.json", "env.json", "loss.png", "metrics.jsonl", "params.json", "summary.json"]
     config = results.read_json(f"{run}/config.json")
     assert config["backend"] == "reference" == summary["backend"]
+    # one in-process rank: no process group at all; the default deadline is recorded with it
+    assert config["comm_backend"] == summary["comm_backend"] == "none"
+    assert config["timeout_s"] == 1800
     assert results.read_json(f"{run}/params.json")["backend"] == "reference"
     on_disk = results.read_json(f"{run}/summary.json")
     assert on_disk["status"] == "ok" and on_disk["loss"] == summary["loss"]
@@ -156,6 +159,7 @@ def test_two_ranks_follow_the_one_process_loss_curve():
     one = _run_json(*FAST)
     two = _run_json(*FAST, "--world-size", "2")
     assert two["world_size"] == 2 and two["params"] == one["params"]
+    assert two["comm_backend"] == results.read_json(f"{two['run_path']}/config.json")["comm_backend"] == "gloo"
     assert max(abs(a - b) for a, b in zip(one["losses"], two["losses"])) < LOSS_CURVE_ATOL
     assert abs(one["eval_loss"] - two["eval_loss"]) < LOSS_CURVE_ATOL
 
@@ -163,8 +167,36 @@ def test_two_ranks_follow_the_one_process_loss_curve():
 def test_console_output_names_backend_and_compares_with_chapter():
     result = runner.invoke(app, ["run", "fastmoe", *FAST])
     assert result.exit_code == 0, result.output
-    for text in ("backend: reference", "parameters", "measured vs chapter 6", "training loss"):
+    for text in ("backend: reference", "comm none", "parameters", "measured vs chapter 6", "training loss"):
         assert text in result.output
+
+
+def test_failed_run_with_json_prints_one_json_document(tmp_path, monkeypatch):
+    from moebench import fastmoe_run
+
+    def broken_rank(*args, **kwargs):
+        raise RuntimeError("rank 0 broke on purpose")
+
+    monkeypatch.setattr(fastmoe_run, "fastmoe_rank", broken_rank)
+    args = ["run", "fastmoe", *FAST, "--results-dir", str(tmp_path)]
+    result = runner.invoke(app, [*args, "--json"])
+    assert result.exit_code == 1, result.output
+    doc = json.loads(result.stdout)
+    assert doc["status"] == "failed" and "rank 0 broke on purpose" in doc["error"]
+    assert results.read_json(os.path.join(doc["run_path"], "summary.json"))["error"] == doc["error"]
+    human = runner.invoke(app, args)  # without --json: the root group's message, exit 1
+    assert human.exit_code == 1 and "run failed: RuntimeError: rank 0 broke on purpose" in human.output
+
+
+def test_default_deadline_bounds_a_hang_and_grows_with_the_run():
+    from moebench import fastmoe_run
+
+    for preset in ("quick", "chapter"):
+        config = fastmoe_run.resolve_config(preset, {})
+        assert config.default_timeout_s == fastmoe_run.HANG_DEADLINE_FLOOR_S == 1800
+    long_chapter = fastmoe_run.resolve_config("chapter", {"steps": 1000})
+    assert long_chapter.default_timeout_s == pytest.approx(1000 * long_chapter.weights * 6e-7, abs=1)
+    assert long_chapter.default_timeout_s > 1000 * 9  # 9 s a step on 2 idle cores: never cut short
 
 
 @pytest.mark.slow

@@ -8,7 +8,8 @@ from typing import Optional
 import typer
 
 from moebench import report, results
-from moebench.errors import UserError
+from moebench.cli.common import echo_failure_json
+from moebench.errors import RunFailed, UserError
 
 
 def _expert_counts(text: Optional[str]) -> Optional[tuple[int, ...]]:
@@ -48,7 +49,9 @@ def run_deepspeed(
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed of weights, data and gate noise."),
     world_size: Optional[int] = typer.Option(None, "--world-size", help="Local ranks to start (gloo on CPU)."),
     backend: Optional[str] = typer.Option(None, "--backend", help="auto | gloo | nccl."),
-    timeout: Optional[float] = typer.Option(None, "--timeout", help="Seconds before a multi-rank run is declared hung."),
+    timeout: Optional[float] = typer.Option(None, "--timeout", help="Hang deadline of a multi-rank run, seconds: its "
+                                            "ranks are dumped and killed then (default: max(1800, steps x weights x "
+                                            "3e-7) s: 1800 for quick, 2140 for chapter)."),
     compiled_ops: Optional[bool] = typer.Option(None, "--compiled-ops/--no-compiled-ops", help="Allow DeepSpeed's JIT-built ops (shm comm, FusedAdam): minutes on first use."),
     results_dir: Optional[str] = typer.Option(None, "--results-dir", help="Results root (default $MOEBENCH_RESULTS or ./results)."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON only."),
@@ -69,9 +72,16 @@ def run_deepspeed(
     results.check_root(results_dir, deepspeed_run.KIND)
     if not as_json:
         typer.echo(f"deepspeed-moe: experts {list(config.experts_per_layer)}, top-{config.top_k}, "
-                   f"ep_size {config.ep_size}, ZeRO {config.zero_stage}, {config.world_size} rank(s), "
-                   f"{config.epochs} epochs x {config.steps_per_epoch} steps (preset {config.preset})")
-    outcome = deepspeed_run.run(config, results_root=results_dir, show_progress=not as_json)
+                   f"ep_size {config.ep_size}, ZeRO {config.zero_stage}, {config.world_size} rank(s) over "
+                   f"{deepspeed_run.comm_backend(config)}, {config.epochs} epochs x {config.steps_per_epoch} steps "
+                   f"(preset {config.preset})")
+    try:
+        outcome = deepspeed_run.run(config, results_root=results_dir, show_progress=not as_json)
+    except RunFailed as exc:
+        if not (as_json and exc.run_path):
+            raise  # the root group prints the reason and the folder
+        echo_failure_json(exc)
+        raise typer.Exit(exc.exit_code) from None
     summary = outcome.summary
     if outcome.run_path is None:  # a non-writing torchrun rank
         return

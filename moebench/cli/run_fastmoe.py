@@ -8,7 +8,8 @@ from typing import Optional
 import typer
 
 from moebench import published, report, results
-from moebench.errors import UserError
+from moebench.cli.common import echo_failure_json
+from moebench.errors import RunFailed, UserError
 
 
 def run_fastmoe(
@@ -31,16 +32,19 @@ def run_fastmoe(
     device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda | auto."),
     world_size: Optional[int] = typer.Option(None, "--world-size", help="Expert-parallel ranks (local, gloo on CPU)."),
     results_dir: Optional[str] = typer.Option(None, "--results-dir", help="Results root (default $MOEBENCH_RESULTS or ./results)."),
-    timeout: float = typer.Option(24 * 3600.0, "--timeout", help="Seconds before a multi-rank run is declared hung."),
+    timeout: Optional[float] = typer.Option(None, "--timeout", help="Hang deadline of a multi-rank run, seconds: "
+                                            "its ranks are dumped and killed then (default: max(1800, steps x "
+                                            "weights x 6e-7) s: 1800 for both presets)."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON only."),
 ) -> None:
     """Train the fastmoe Transformer-MoE on random data and compare with the chapter."""
     from moebench import config as shared_config
     from moebench import fastmoe_run  # imports torch: keep `moebench --help` fast
 
-    shared_config.require_finite({"--timeout": timeout})
-    if not timeout > 0:
-        raise UserError(f"must be positive, got {timeout}", flag="--timeout")
+    if timeout is not None:
+        shared_config.require_finite({"--timeout": timeout})
+        if not timeout > 0:
+            raise UserError(f"must be positive, got {timeout}", flag="--timeout")
     config = fastmoe_run.resolve_config(preset, dict(
         backend=backend, layers=layers, heads=heads, d_model=d_model, d_hidden=d_hidden,
         experts=experts, top_k=top_k, gate=gate, aux_loss_coef=aux_loss_coef, steps=steps,
@@ -48,8 +52,15 @@ def run_fastmoe(
         device=device, world_size=world_size))
     results.check_root(results_dir, fastmoe_run.KIND)
     if not as_json:
-        typer.echo(f"backend: {config.backend}  (device {config.device}, {config.world_size} rank(s), preset {config.preset})")
-    outcome = fastmoe_run.run(config, results_root=results_dir, timeout_s=timeout, show_progress=not as_json)
+        typer.echo(f"backend: {config.backend}  (device {config.device}, {config.world_size} rank(s), comm "
+                   f"{fastmoe_run.comm_backend(config)}, preset {config.preset})")
+    try:
+        outcome = fastmoe_run.run(config, results_root=results_dir, timeout_s=timeout, show_progress=not as_json)
+    except RunFailed as exc:
+        if not (as_json and exc.run_path):
+            raise  # the root group prints the reason and the folder
+        echo_failure_json(exc)
+        raise typer.Exit(exc.exit_code) from None
     summary = outcome.summary
     if outcome.run_path is None:  # a non-writing torchrun rank
         return

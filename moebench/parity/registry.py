@@ -172,6 +172,9 @@ def parse_impls(specs: list[str]) -> dict[str, str]:
             load_impl(target)
         except Exception as exc:  # noqa: BLE001 - any import failure is the user's input
             raise UserError(f"{target!r} does not import: {type(exc).__name__}: {exc}", flag="--impl") from None
+        if key in impls:  # one implementation per key: the last one would silently win
+            raise UserError(f"{key} is given twice ({impls[key]!r} and {target!r}); give each key once",
+                            flag="--impl")
         impls[key] = target
     return impls
 

@@ -24,7 +24,8 @@ from moebench.distributed.launch import launch, resolve_backend, sigterm_as_inte
 from moebench.errors import UserError
 from moebench.results import STATUS_FAILED, STATUS_INTERRUPTED, STATUS_OK, RunDir
 from moebench.parity.compare import TOLERANCE_MODES, Comparison
-from moebench.parity.registry import MAX_WORLD_SIZE, Check, CheckOptions, SkipCheck, load_all, select
+from moebench.parity.registry import (MAX_WORLD_SIZE, Check, CheckOptions, SkipCheck, all_checks, load_all,
+                                      select)
 
 DEFAULT_TIMEOUT_S = 120.0
 BACKENDS = ("auto", "gloo", "nccl")
@@ -70,6 +71,15 @@ class ParityConfig:
             raise UserError(f"must be one of {', '.join(TOLERANCE_MODES)}, got {self.tolerance!r}", flag="--tolerance")
         if not 0 <= self.seed < MAX_SEED:
             raise UserError(f"must be between 0 and {MAX_SEED - 1}, got {self.seed}", flag="--seed")
+        if self.impls:  # an --impl no selected check uses would be silently ignored
+            selected = select(list(self.checks) or None)
+            used = {key for check in selected for key in check.impl_keys}
+            unused = [key for key in self.impls if key not in used]
+            if unused:
+                users = [c.name for c in all_checks() if set(unused) & set(c.impl_keys)]
+                raise UserError(f"no selected check uses {', '.join(unused)} (used by: "
+                                f"{', '.join(users) or 'no registered check'}); add one to --checks "
+                                "or drop the --impl", flag="--impl")
 
 
 @dataclasses.dataclass(kw_only=True)
