@@ -1,9 +1,10 @@
-"""What the run commands share: their `--json` documents."""
+"""What the run commands share: running, the `--json` documents, the parameter table."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import typer
 
@@ -18,3 +19,36 @@ def echo_failure_json(exc: RunFailed) -> None:
     except (OSError, ValueError):  # died before summary.json was written
         summary = {"status": "failed", "error": str(exc)}
     typer.echo(json.dumps(results.to_jsonable({**summary, "run_path": str(exc.run_path)})))
+
+
+def run_and_report(run: Callable[[], object], *, as_json: bool,
+                   print_report: Callable[[dict, Path], None]) -> None:
+    """Run; with --json print one document (the summary, or the failed run's), else the report.
+
+    A failed run without --json propagates as RunFailed: the root group prints it once.
+    """
+    try:
+        outcome = run()
+    except RunFailed as exc:
+        if not (as_json and exc.run_path):
+            raise
+        echo_failure_json(exc)
+        raise typer.Exit(exc.exit_code) from None
+    if outcome.run_path is None:  # a non-writing torchrun rank
+        return
+    if as_json:
+        typer.echo(json.dumps(results.to_jsonable({**outcome.summary, "run_path": str(outcome.run_path)})))
+        return
+    print_report(outcome.summary, outcome.run_path)
+
+
+def params_table(params: dict, title: str):
+    """A rich table of parameter counts by category."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("category")
+    table.add_column("parameters", justify="right")
+    for name, count in params.items():
+        table.add_row(name, f"{count:,}  ({count / 1e6:,.3f} M)")
+    return table

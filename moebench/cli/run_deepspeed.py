@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from typing import Optional
 
 import typer
 
 from moebench import report, results
-from moebench.cli.common import echo_failure_json
-from moebench.errors import RunFailed, UserError
+from moebench.cli.common import params_table, run_and_report
+from moebench.errors import UserError
 
 
 def _expert_counts(text: Optional[str]) -> Optional[tuple[int, ...]]:
@@ -75,33 +74,14 @@ def run_deepspeed(
                    f"ep_size {config.ep_size}, ZeRO {config.zero_stage}, {config.world_size} rank(s) over "
                    f"{deepspeed_run.comm_backend(config)}, {config.epochs} epochs x {config.steps_per_epoch} steps "
                    f"(preset {config.preset})")
-    try:
-        outcome = deepspeed_run.run(config, results_root=results_dir, show_progress=not as_json)
-    except RunFailed as exc:
-        if not (as_json and exc.run_path):
-            raise  # the root group prints the reason and the folder
-        echo_failure_json(exc)
-        raise typer.Exit(exc.exit_code) from None
-    summary = outcome.summary
-    if outcome.run_path is None:  # a non-writing torchrun rank
-        return
-    if as_json:
-        typer.echo(json.dumps(results.to_jsonable({**summary, "run_path": str(outcome.run_path)})))
-        return
-    _print_report(summary, outcome.run_path)
-
+    run_and_report(lambda: deepspeed_run.run(config, results_root=results_dir, show_progress=not as_json),
+                   as_json=as_json, print_report=_print_report)
 
 def _print_report(summary: dict, run_path) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     console = Console()
-    table = Table(title=f"parameters (global model, ep_size {summary['ep_size']})")
-    table.add_column("category")
-    table.add_column("parameters", justify="right")
-    for name, count in summary["params"].items():
-        table.add_row(name, f"{count:,}  ({count / 1e6:,.3f} M)")
-    console.print(table)
+    console.print(params_table(summary["params"], f"parameters (global model, ep_size {summary['ep_size']})"))
     test = summary["test"]
     console.print(f"test batch: input {tuple(test['input_shape'])} -> output {tuple(test['output_shape'])}, "
                   f"loss {test['loss']:.6f}")

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from typing import Optional
 
 import typer
 
 from moebench import published, report, results
-from moebench.cli.common import echo_failure_json
-from moebench.errors import RunFailed, UserError
+from moebench.cli.common import params_table, run_and_report
+from moebench.errors import UserError
 
 
 def run_fastmoe(
@@ -54,31 +53,18 @@ def run_fastmoe(
     if not as_json:
         typer.echo(f"backend: {config.backend}  (device {config.device}, {config.world_size} rank(s), comm "
                    f"{fastmoe_run.comm_backend(config)}, preset {config.preset})")
-    try:
-        outcome = fastmoe_run.run(config, results_root=results_dir, timeout_s=timeout, show_progress=not as_json)
-    except RunFailed as exc:
-        if not (as_json and exc.run_path):
-            raise  # the root group prints the reason and the folder
-        echo_failure_json(exc)
-        raise typer.Exit(exc.exit_code) from None
-    summary = outcome.summary
-    if outcome.run_path is None:  # a non-writing torchrun rank
-        return
-    if as_json:
-        typer.echo(json.dumps(results.to_jsonable({**summary, "run_path": str(outcome.run_path)})))
-        return
+    run_and_report(lambda: fastmoe_run.run(config, results_root=results_dir, timeout_s=timeout,
+                                           show_progress=not as_json),
+                   as_json=as_json, print_report=lambda summary, run_path: _print_report(summary, run_path, config))
+
+
+def _print_report(summary: dict, run_path, config) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     console = Console()
-    table = Table(title=f"parameters ({config.backend})")
-    table.add_column("category")
-    table.add_column("parameters", justify="right")
-    for name, count in summary["params"].items():
-        table.add_row(name, f"{count:,}  ({count / 1e6:,.3f} M)")
-    console.print(table)
+    console.print(params_table(summary["params"], f"parameters ({config.backend})"))
     rows = report.compare(summary, published.FASTMOE)
     console.print(report.comparison_table(rows, "measured vs chapter 6 (fastmoe)"))
     console.print(f"eval loss {summary['eval_loss']:.4f}  steps {summary['steps']}  "
                   f"wall {summary['wall_time_s']:.1f} s  {summary['tokens_per_s']:,.0f} tokens/s")
-    console.print(f"results: {outcome.run_path}")
+    console.print(f"results: {run_path}")
