@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from pathlib import Path
 
 import torch
@@ -94,8 +93,3 @@ def require_gpus(count: int, *, flag: str, why: str, need_nccl: bool, fix: str) 
     shortfall = gpu_shortfall(count, need_nccl=need_nccl)
     if shortfall is not None:
         raise UserError(f"{why} {shortfall}; {fix}", flag=flag)
-
-
-def local_ranks(world_size: int) -> int:
-    """Ranks on this machine: LOCAL_WORLD_SIZE under torchrun / deepspeed, else `world_size`."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))

@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -34,7 +35,8 @@ import torch
 
 from moebench import config as shared_config
 from moebench import results
-from moebench.distributed.launch import PG_TIMEOUT_FRACTION, RankContext, resolve_backend, under_torchrun
+from moebench.distributed.launch import (PG_TIMEOUT_FRACTION, RankContext, local_world_size, resolve_backend,
+                                         under_torchrun)
 from moebench.errors import UserError
 from moebench.models.deepspeed_moe import NOISY_GATE_POLICIES
 from moebench.train import LoopSpec, RunOutcome, execute_run, loss_summary, train_loop
@@ -191,7 +193,7 @@ class DeepSpeedRunConfig:
         if self.backend not in ("auto", "gloo", "nccl"):
             raise UserError(f"unknown backend {self.backend!r}; use auto, gloo or nccl", flag="--backend")
         if self.backend == "nccl":  # checked here: otherwise every rank fails after the run folder exists
-            ranks = shared_config.local_ranks(self.world_size)
+            ranks = local_world_size(self.world_size)
             shared_config.require_gpus(ranks, flag="--backend", why=f"nccl on {ranks} local rank(s)",
                                        need_nccl=True, fix="use --backend gloo or auto")
         shared_config.require_seed(self.seed)
@@ -223,7 +225,7 @@ class DeepSpeedRunConfig:
 def comm_backend(config: DeepSpeedRunConfig) -> str:
     """The torch.distributed backend the ranks use, as `launch` resolves --backend with the local
     world size; one in-process rank (world size 1) opens a one-rank group resolved the same way."""
-    ranks = shared_config.local_ranks(config.world_size) if under_torchrun() else config.world_size
+    ranks = local_world_size(config.world_size)
     return resolve_backend(config.backend, ranks)
 
 
@@ -458,9 +460,7 @@ def deepspeed_comm(ctx: RankContext, *, compiled_ops: bool, timeout_s: float, ba
         if shm_before is not None:
             compatible[SHM_COMM_OP] = shm_before
         if store_dir:
-            for name in os.listdir(store_dir):
-                os.unlink(os.path.join(store_dir, name))
-            os.rmdir(store_dir)
+            shutil.rmtree(store_dir, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- model and data

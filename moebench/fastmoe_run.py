@@ -22,7 +22,8 @@ import torch
 
 from moebench import config as shared_config
 from moebench import results
-from moebench.distributed.launch import RankContext, resolve_backend as resolve_comm_backend, under_torchrun
+from moebench.distributed.launch import (RankContext, local_world_size, resolve_backend as resolve_comm_backend,
+                                         under_torchrun)
 from moebench.errors import UserError
 from moebench.models.moe import BACKENDS, GATES, build_moe_mlp, resolve_backend
 from moebench.models.moe.gates import FIXED_TOP_K
@@ -116,7 +117,7 @@ class FastMoERunConfig:
         if self.device == "cuda":
             # An error, not a fallback: with fewer GPUs than ranks (or no NCCL) the launcher would
             # quietly train every rank on CPU over gloo.
-            ranks = shared_config.local_ranks(self.world_size)
+            ranks = local_world_size(self.world_size)
             shared_config.require_gpus(ranks, flag="--device", why=f"--device cuda on {ranks} local rank(s)",
                                        need_nccl=self.world_size > 1,
                                        fix="use --device cpu, or auto (CUDA only where it fits)")
@@ -147,7 +148,7 @@ def comm_backend(config: FastMoERunConfig) -> str:
     if config.world_size == 1 and not under_torchrun():
         return "none"
     return resolve_comm_backend("gloo" if config.device == "cpu" else "auto",
-                                shared_config.local_ranks(config.world_size))
+                                local_world_size(config.world_size))
 
 
 def preset_names() -> list[str]:
@@ -166,7 +167,7 @@ def resolve_config(preset: str, overrides: dict) -> FastMoERunConfig:
         values["world_size"] = int(os.environ["WORLD_SIZE"])
     config = FastMoERunConfig(**values)
     if config.device == "auto":
-        fits = shared_config.gpu_shortfall(shared_config.local_ranks(config.world_size),
+        fits = shared_config.gpu_shortfall(local_world_size(config.world_size),
                                            need_nccl=config.world_size > 1) is None
         config = dataclasses.replace(config, device="cuda" if fits else "cpu")
     backend = resolve_backend(config.backend, device=config.device, world_size=config.world_size)

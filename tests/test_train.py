@@ -94,7 +94,6 @@ def test_sigterm_during_a_run_is_recorded_as_interrupted(tmp_path):
     import signal
     import subprocess
     import sys
-    import time
 
     script = tmp_path / "run.py"
     script.write_text(

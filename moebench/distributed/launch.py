@@ -136,6 +136,12 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def local_world_size(world_size: int) -> int:
+    """Ranks on this machine: LOCAL_WORLD_SIZE under torchrun / deepspeed, else all `world_size`
+    (moebench starts every rank locally). "auto" backends and GPU counts are judged on this."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() else world_size
+
+
 def resolve_backend(backend: str, world_size: int) -> str:
     """"auto" -> NCCL when CUDA has a GPU per local rank and NCCL is built in, else gloo."""
     if backend != "auto":
@@ -414,7 +420,7 @@ def _run_as_torchrun_rank(fn, args, backend, timeout_s, label) -> LaunchResult:
     start = time.monotonic()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    local_world = local_world_size(world_size)
     backend = resolve_backend(backend, local_world)
     global _RESULTS_GROUP
     if not dist.is_initialized():

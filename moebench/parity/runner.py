@@ -20,7 +20,8 @@ from typing import Any, Callable
 
 import torch
 
-from moebench.distributed.launch import launch, resolve_backend, sigterm_as_interrupt, under_torchrun
+from moebench.distributed.launch import (launch, local_world_size, resolve_backend, sigterm_as_interrupt,
+                                         under_torchrun)
 from moebench.errors import UserError
 from moebench.results import STATUS_FAILED, STATUS_INTERRUPTED, STATUS_OK, RunDir
 from moebench.parity.compare import TOLERANCE_MODES, Comparison
@@ -185,11 +186,6 @@ def _describe_failure(c: Comparison) -> str:
     return (f"rank {c.rank}: {c.name}: {verb}: max abs diff {c.max_abs_diff:.3g}, max rel diff "
             f"{c.max_rel_diff:.3g}, magnitude {c.magnitude:.3g}, rtol {c.rtol:g} atol {c.atol:.3g}"
             + ("" if c.finite else " (NaN/Inf)") + (f" - {c.note}" if c.note else ""))
-
-
-def local_world_size(world_size: int) -> int:
-    """Ranks on this machine: LOCAL_WORLD_SIZE under torchrun (what launch resolves "auto" with)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() else world_size
 
 
 def check_backend(check: Check, requested: str, resolved: str) -> tuple[str | None, str | None]:
