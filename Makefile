@@ -5,33 +5,42 @@
 # Torch is always installed pinned (== a version, @ a URL, or a wheel file). Override the pin or
 # where torch comes from, never drop it; TORCH_PIP_ARGS applies to the torch install only:
 #   make all TORCH_SPEC="torch==2.13.0" TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+#
+# Every other dependency is installed at the versions in moebench/constraints.txt (reproducible installs;
+# `moebench env-check` warns when the venv drifts from them). CONSTRAINTS= (empty) installs unconstrained,
+# CONSTRAINTS=path uses another constraints file.
 PYTHON         ?= python3
 VENV           ?= .venv
 TORCH_SPEC     ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
+CONSTRAINTS    ?= moebench/constraints.txt
 PYTEST_ARGS    ?=
 WORLD_SIZE     ?= 4
 
 BIN := $(VENV)/bin
-# One stamp per torch spec: changing TORCH_SPEC reinstalls torch into the same .venv.
-STAMP := $(VENV)/.moebench-installed-$(shell printf '%s %s' '$(TORCH_SPEC)' '$(TORCH_PIP_ARGS)' | cksum | cut -d' ' -f1)
+# One stamp per torch spec (and constraints file): changing TORCH_SPEC reinstalls torch into the same .venv.
+STAMP := $(VENV)/.moebench-installed-$(shell printf '%s %s %s' '$(TORCH_SPEC)' '$(TORCH_PIP_ARGS)' '$(CONSTRAINTS)' \
+	| cksum | cut -d' ' -f1)
 
-.PHONY: all install test test-all env-check run-all verify-parity clean
+.PHONY: all install lint test test-all env-check run-all verify-parity clean
 
 all: install env-check run-all verify-parity
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	@case "$(TORCH_SPEC)" in *==*|*@*|*.whl) ;; *) echo "TORCH_SPEC must pin torch (torch==X.Y.Z, torch @ URL or a .whl), got '$(TORCH_SPEC)'"; exit 2;; esac
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	@rm -f $(VENV)/.moebench-installed-*
 	@touch $(STAMP)
 
-test: install
+test: install lint
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check moebench tests
 
 test-all: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -41,7 +50,7 @@ env-check: install
 
 # Every registered variant with its default preset (the registry is the single list).
 run-all: install
-	@for v in $$($(BIN)/moebench run --list-names); do \
+	@for v in $$($(BIN)/moebench run --list); do \
 		echo "== moebench run $$v"; $(BIN)/moebench run $$v || exit $$?; done
 
 verify-parity: install

@@ -20,11 +20,22 @@ import json
 import math
 import os
 import secrets
+import socket
+import time
 from pathlib import Path
 from typing import Any, Iterable
 
 RESULTS_ENV = "MOEBENCH_RESULTS"
 """Environment variable that moves the results root (default: ./results)."""
+
+SCHEMAS = {
+    "summary.json": "moebench.summary/1",
+    "config.json": "moebench.config/1",
+    "params.json": "moebench.params/1",
+    "env.json": "moebench.env/1",
+}
+"""The `schema` key every JSON file of a run folder starts with; the JSON Schema of each is
+moebench/schemas/<name>.schema.json (metrics.jsonl lines: metrics.schema.json)."""
 
 STATUS_RUNNING = "running"
 STATUS_OK = "ok"
@@ -112,6 +123,7 @@ class RunDir:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._metrics = None
+        self._started = time.time()
 
     @classmethod
     def create(cls, kind: str, name: str = "", root: str | os.PathLike | None = None,
@@ -130,7 +142,14 @@ class RunDir:
     def run_id(self) -> str:
         return self.path.name
 
+    @property
+    def kind(self) -> str:
+        return self.path.parent.name
+
     def write_json(self, name: str, data: Any) -> Path:
+        """Atomically write `name`; the files with a schema start with their `schema` key."""
+        if name in SCHEMAS:
+            data = {"schema": SCHEMAS[name], **{k: v for k, v in data.items() if k != "schema"}}
         return write_json_atomic(self.path / name, data)
 
     def log_metrics(self, record: dict) -> None:
@@ -145,13 +164,21 @@ class RunDir:
             self._metrics.close()
             self._metrics = None
 
-    def start(self, summary: dict | None = None) -> None:
-        self.write_json("summary.json", {"status": STATUS_RUNNING, **(summary or {})})
+    def _envelope(self, status: str) -> dict:
+        """The keys every summary.json has, whatever its kind."""
+        return {"kind": self.kind, "run_id": self.run_id, "run_path": str(self.path.absolute()), "status": status,
+                "started_at": datetime.datetime.fromtimestamp(self._started).isoformat(timespec="seconds"),
+                "wall_time_s": time.time() - self._started, "pid": os.getpid(), "host": socket.gethostname()}
 
-    def finish(self, status: str, summary: dict) -> Path:
-        """Write the final summary.json; `status` is ok / failed / interrupted."""
+    def start(self, summary: dict | None = None) -> None:
+        self.write_json("summary.json", {**self._envelope(STATUS_RUNNING), **(summary or {})})
+
+    def finish(self, status: str, summary: dict) -> dict:
+        """Write the final summary.json (ok / failed / interrupted) and return what it holds."""
         self.close()
-        return self.write_json("summary.json", {"status": status, **summary})
+        document = {**self._envelope(status), **summary}
+        self.write_json("summary.json", document)
+        return {"schema": SCHEMAS["summary.json"], **document}
 
 
 def latest_runs(kind: str, root: str | os.PathLike | None = None) -> Iterable[Path]:

@@ -1,8 +1,9 @@
 """One training loop and one run driver for every variant.
 
-A variant supplies a *rank function* `rank_fn(ctx, run_path, *args) -> dict` that builds its model
-and data, calls `train_loop` with its own step function, and returns its summary numbers. The driver
-`execute_run` does everything around it, identically for all variants:
+A variant (moebench/variants/) supplies a *rank function* `rank_fn(ctx, run_path, *args) -> dict`
+that builds its model and data, calls `train_loop` with its own step function, and returns its
+summary numbers. The driver `run_variant` / `execute_run` does everything around it, identically
+for all variants:
 
   validated config -> results/<kind>/<run-id>/ (config.json, env.json, summary "running")
     -> rank_fn on 1 process (in-process) or N ranks (`launch`), rank 0 writing params.json and
@@ -22,28 +23,32 @@ from pathlib import Path
 from typing import Callable
 
 from moebench import results
-from moebench.errors import RunFailed
 from moebench.distributed.launch import RankContext, launch, sigterm_as_interrupt, under_torchrun
+from moebench.errors import RunFailed
+
+WARMUP_STEPS = 2
+"""Steps left out of the steady-state tokens/s: the first allocates buffers and optimizer state,
+the second still pays for allocator growth (the chapter model's first step is ~10x a later one)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoopSpec:
-    epochs: int
-    """Passes over the data; the per-epoch average loss is recorded (DeepSpeed's chapter run: 5)."""
+    total_steps: int
+    """Optimiser steps to run."""
     steps_per_epoch: int
-    """Optimiser steps in one epoch (a step-based run is one epoch of `steps` steps)."""
+    """Steps in one pass over the training set; the average loss of every epoch is recorded."""
     tokens_per_step: int
-    """Tokens one optimiser step consumes across all ranks (batch x seq x data-parallel ranks)."""
+    """Tokens one optimiser step consumes across all ranks (the global batch x seq_len)."""
     label: str = "train"
     """Shown beside the progress bar."""
 
     def __post_init__(self) -> None:
-        if self.epochs < 1 or self.steps_per_epoch < 1 or self.tokens_per_step < 1:
+        if self.total_steps < 1 or self.steps_per_epoch < 1 or self.tokens_per_step < 1:
             raise ValueError(f"LoopSpec needs positive sizes, got {self}")
 
 
-StepFn = Callable[[int, int], dict]
-"""step_fn(epoch, step) -> {"loss": float, "aux_loss": float, **extra JSON-able fields}."""
+StepFn = Callable[[int], dict]
+"""step_fn(step) -> {"loss": float, "aux_loss": float, **extra JSON-able fields}; step is 0-based."""
 
 
 def train_loop(step_fn: StepFn, spec: LoopSpec, *, writer: results.RunDir | None,
@@ -51,64 +56,80 @@ def train_loop(step_fn: StepFn, spec: LoopSpec, *, writer: results.RunDir | None
     """Run every step, log one metrics line per step (writer only), return the loss history."""
     losses: list[float] = []
     aux_losses: list[float] = []
-    epoch_avg: list[float] = []
-    start = time.perf_counter()
-    progress = _progress(spec) if (show_progress and writer is not None) else None
-    task = (progress.add_task(spec.label, total=spec.epochs * spec.steps_per_epoch, loss=float("nan"), aux=0.0, tps=0.0)
+    step_times: list[float] = []
+    progress = _progress() if (show_progress and writer is not None) else None
+    task = (progress.add_task(spec.label, total=spec.total_steps, loss=float("nan"), aux=0.0, tps=0.0)
             if progress else None)
+    start = time.perf_counter()
     try:
         if progress:
             progress.start()
-        global_step = 0
-        for epoch in range(spec.epochs):
-            epoch_losses = []
-            for step in range(spec.steps_per_epoch):
-                t0 = time.perf_counter()
-                record = step_fn(epoch, step)
-                dt = time.perf_counter() - t0
-                loss, aux = float(record["loss"]), float(record.get("aux_loss", 0.0))
-                if not math.isfinite(loss):
-                    raise FloatingPointError(f"loss became {loss} at epoch {epoch + 1}, step {step + 1}")
-                losses.append(loss)
-                aux_losses.append(aux)
-                epoch_losses.append(loss)
-                tokens_per_s = spec.tokens_per_step / dt if dt > 0 else float("inf")
-                if writer is not None:
-                    writer.log_metrics({"step": global_step + 1, "epoch": epoch + 1, **record,
-                                        "loss": loss, "aux_loss": aux, "step_time_s": dt,
-                                        "tokens_per_s": tokens_per_s})
-                if progress:
-                    progress.update(task, advance=1, loss=loss, aux=aux, tps=tokens_per_s)
-                global_step += 1
-            epoch_avg.append(sum(epoch_losses) / len(epoch_losses))
+        for step in range(spec.total_steps):
+            t0 = time.perf_counter()
+            record = step_fn(step)
+            dt = time.perf_counter() - t0
+            loss, aux = float(record["loss"]), float(record.get("aux_loss", 0.0))
+            epoch = step // spec.steps_per_epoch + 1
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"loss became {loss} at epoch {epoch}, step {step + 1}")
+            losses.append(loss)
+            aux_losses.append(aux)
+            step_times.append(dt)
+            tokens_per_s = spec.tokens_per_step / dt if dt > 0 else None
+            if writer is not None:
+                writer.log_metrics({"step": step + 1, "epoch": epoch, **record, "loss": loss, "aux_loss": aux,
+                                    "step_time_s": dt, "tokens_per_s": tokens_per_s})
+            if progress:
+                progress.update(task, advance=1, loss=loss, aux=aux, tps=tokens_per_s or 0.0)
     finally:
         if progress:
             progress.stop()
     train_time = time.perf_counter() - start
-    steps = len(losses)
+    steady = step_times[WARMUP_STEPS:]
+    per_epoch = [losses[i:i + spec.steps_per_epoch] for i in range(0, len(losses), spec.steps_per_epoch)]
+    first, last = losses[0], losses[-1]
     return {
+        "steps": len(losses),
+        "epochs": len(per_epoch),
+        "steps_per_epoch": spec.steps_per_epoch,
+        "loss": {"first": first, "last": last, "drop_pct": 100.0 * (first - last) / first if first else None},
+        "epoch_loss": [sum(e) / len(e) for e in per_epoch],
         "losses": losses,
         "aux_losses": aux_losses,
-        "epoch_avg_loss": epoch_avg,
-        "steps": steps,
         "train_time_s": train_time,
-        "tokens_per_s": spec.tokens_per_step * steps / train_time if train_time > 0 else None,
+        "tokens_per_step": spec.tokens_per_step,
+        "tokens_per_s": spec.tokens_per_step * len(losses) / train_time if train_time > 0 else None,
+        "warmup_steps": min(WARMUP_STEPS, len(losses)),
+        "tokens_per_s_steady": (spec.tokens_per_step * len(steady) / sum(steady)
+                                if steady and sum(steady) > 0 else None),
     }
 
 
-def loss_summary(history: dict) -> dict:
-    """First / last loss and the drop, the way the chapter states them."""
-    first, last = history["losses"][0], history["losses"][-1]
-    return {"first": first, "last": last, "drop_pct": 100.0 * (first - last) / first if first else None}
+def global_mean(value, world_size: int) -> float:
+    """The mean over the global batch of a per-rank mean (equal slices): one all_reduce."""
+    if world_size > 1:
+        import torch.distributed as dist
+
+        value = value.detach().clone()
+        dist.all_reduce(value)
+        value /= world_size
+    return value.item()
 
 
-def _progress(spec: LoopSpec):
+def rank_writer(ctx: RankContext, run_path) -> results.RunDir | None:
+    """The run folder's writer on the rank that writes (rank 0 of a run that records), else None."""
+    return results.RunDir(Path(run_path)) if (ctx.is_main and run_path) else None
+
+
+def _progress():
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     return Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
         TextColumn("loss {task.fields[loss]:.4f}  aux {task.fields[aux]:.4f}  {task.fields[tps]:,.0f} tok/s"),
         TimeElapsedColumn(), transient=False, refresh_per_second=4,
+        console=Console(stderr=True),  # stdout carries only the result (or the --json document)
     )
 
 
@@ -123,6 +144,27 @@ class RunOutcome:
     """What summary.json holds."""
 
 
+def run_variant(variant, config, *, results_root=None, show_progress: bool = True) -> RunOutcome:
+    """Train one validated config of `variant` and record it under results/<variant>/<run-id>/."""
+    from moebench import config as config_tree
+
+    record = config_tree.as_dict(config)
+    launch_cfg = config.launch
+    timeout_s = launch_cfg.timeout_s if launch_cfg.timeout_s is not None else config.default_timeout_s
+    record["launch"]["timeout_s"] = timeout_s
+    return execute_run(kind=variant.name, name=config.preset, config=record,
+                       world_size=launch_cfg.world_size, rank_fn=variant.rank_fn(),
+                       rank_args=(record, show_progress), backend=launch_cfg.comm_backend, timeout_s=timeout_s,
+                       results_root=results_root, finish=lambda summary: with_comparison(summary, variant.published))
+
+
+def with_comparison(summary: dict, figures) -> dict:
+    """The summary with its chapter comparison (measured vs published, per figure) added."""
+    from moebench import report
+
+    return {**summary, "chapter_comparison": report.compare(summary, figures)}
+
+
 def execute_run(
     *,
     kind: str,
@@ -135,48 +177,46 @@ def execute_run(
     timeout_s: float = 24 * 3600.0,
     results_root: str | os.PathLike | None = None,
     env_summary: Callable[[], dict] | None = None,
-    label: str | None = None,
+    in_process: bool | None = None,
+    finish: Callable[[dict], dict] | None = None,
 ) -> RunOutcome:
     """Create the run folder, run `rank_fn` on every rank, record the outcome. See module doc.
 
-    `label` names the run in the plot title (e.g. "fastmoe (reference backend)"); default `kind`.
+    `in_process`: run one rank here, without a process group (default: when world_size is 1).
+    `finish(rank_summary)` adds what is computed from the summary (the chapter comparison).
     """
     writer = not under_torchrun() or int(os.environ["RANK"]) == 0
     with sigterm_as_interrupt():  # SIGTERM is recorded like Ctrl-C: "interrupted", ranks killed
         run = results.RunDir.create(kind, name, results_root) if writer else None
         run_path = run.path if run else None
-        started = time.time()
         try:
             if run is not None:
-                run.write_json("config.json", config)
+                run.write_json("config.json", {"kind": kind, **config})
                 run.write_json("env.json", (env_summary or _default_env_summary)())
-                run.start({"kind": kind, "run_id": run.run_id})
-            rank_summary = _run_ranks(rank_fn, world_size, run_path, rank_args, backend, timeout_s, kind)
+                run.start()
+            in_process = world_size == 1 if in_process is None else in_process
+            rank_summary = _run_ranks(rank_fn, world_size, run_path, rank_args, backend, timeout_s, kind,
+                                      in_process)
+            summary = finish(rank_summary) if finish else rank_summary
+            if run is not None:
+                _plot(run, title=f"{kind} ({summary.get('moe_impl', kind)})  {run.run_id}")
+                final = run.finish(results.STATUS_OK, summary)
         except KeyboardInterrupt:
             if run is not None:
-                run.finish(results.STATUS_INTERRUPTED, {"kind": kind, "run_id": run.run_id,
-                                                        "wall_time_s": time.time() - started,
-                                                        "error": "interrupted (Ctrl-C or SIGTERM)"})
+                run.finish(results.STATUS_INTERRUPTED, {"error": "interrupted (Ctrl-C or SIGTERM)"})
             raise
         except BaseException as exc:
             if run is not None:
-                run.finish(results.STATUS_FAILED, {"kind": kind, "run_id": run.run_id,
-                                                   "wall_time_s": time.time() - started,
-                                                   "error": f"{type(exc).__name__}: {exc}"})
+                run.finish(results.STATUS_FAILED, {"error": f"{type(exc).__name__}: {exc}"})
             if isinstance(exc, RunFailed):
                 raise
             raise RunFailed(f"{type(exc).__name__}: {exc}", run_path) from exc
-    summary = {"kind": kind, "run_id": run.run_id if run else None,
-               "wall_time_s": time.time() - started, **rank_summary}
-    if run is not None:
-        _plot(run, title=f"{label or kind}  {run.run_id}")
-        run.finish(results.STATUS_OK, summary)
-    return RunOutcome(run_path=run_path, summary={"status": results.STATUS_OK, **summary})
+    return RunOutcome(run_path=run_path, summary=final if run is not None else summary)
 
 
-def _run_ranks(rank_fn, world_size, run_path, rank_args, backend, timeout_s, kind) -> dict:
+def _run_ranks(rank_fn, world_size, run_path, rank_args, backend, timeout_s, kind, in_process) -> dict:
     """One process runs in-process (no process group); N ranks go through `launch`."""
-    if world_size == 1 and not under_torchrun():
+    if in_process and not under_torchrun():
         ctx = RankContext(rank=0, world_size=1, local_rank=0, backend="none", device="cpu")
         return rank_fn(ctx, run_path, *rank_args)
     outcome = launch(rank_fn, world_size, args=(run_path, *rank_args), backend=backend,
@@ -205,4 +245,3 @@ def _default_env_summary() -> dict:
         return {"python": platform.python_version(), "torch": torch.__version__,
                 "cuda_available": torch.cuda.is_available()}
     return summary()
-

@@ -25,3 +25,21 @@ def no_leftover_children():
     left = [p for p in psutil.Process(os.getpid()).children(recursive=True) if p.pid not in before]
     alive = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"processes left behind: {[(p.pid, p.name()) for p in alive]}"
+
+
+@pytest.fixture(autouse=True)
+def _results_match_their_schemas(request, tmp_path):
+    """After each test, every results file it wrote under tmp_path (summary.json, config.json, params.json,
+    env.json, envcheck.json, metrics.jsonl) must validate against moebench/schemas. A test that writes
+    broken files on purpose opts out with @pytest.mark.no_schema_check; without jsonschema this is a no-op."""
+    yield
+    if request.node.get_closest_marker("no_schema_check") is not None:
+        return
+    try:
+        import jsonschema  # noqa: F401
+    except ImportError:
+        return
+    from moebench.schemas import results_files, validate_tree
+
+    if tmp_path.is_dir() and results_files(tmp_path):
+        validate_tree(tmp_path)

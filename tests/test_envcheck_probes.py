@@ -299,8 +299,10 @@ def test_variant_with_a_missing_module_cannot_run(monkeypatch, summary_lookup):
     from moebench import variants
     from moebench.envcheck import capabilities
 
-    fake = variants.Variant(name="ghost", description="d", command="x:y", requires=("torch", "no_such_module_xyz"),
-                            default_preset="quick")
+    class Ghost(type(variants.VARIANTS[0])):
+        name, requires = "ghost", ("torch", "no_such_module_xyz")
+
+    fake = Ghost()
     monkeypatch.setattr(variants, "VARIANTS", variants.VARIANTS + (fake,))
     checks = {c.id: c for c in capabilities.checks(summary_lookup)}
     assert checks["can_run.ghost"].status == FAIL and "no_such_module_xyz" in checks["can_run.ghost"].found

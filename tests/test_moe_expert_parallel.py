@@ -6,10 +6,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from helpers import fastmoe_config
 
 from moebench.distributed import expert_parallel
 from moebench.distributed.launch import RankContext, check, launch
-from moebench.fastmoe_run import FastMoERunConfig, build_rank_model
+from moebench.variants.fastmoe.model import build_rank_model
 
 # float32 sums over a different grouping of slots (per rank, then all_reduce): a few ulps of O(1) values.
 EP_ATOL = 2e-5
@@ -23,19 +24,19 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _ep_rank(ctx: RankContext, experts: int, top_k: int, scale_expert_grads: bool, skewed: bool) -> dict:
     torch.set_num_threads(1)
-    config = FastMoERunConfig(backend="reference", layers=2, d_model=16, d_hidden=24, experts=experts,
-                              heads=2, top_k=top_k, batch_size=8, seq_len=5, world_size=ctx.world_size)
-    full = build_rank_model(config, ONE_PROCESS, "cpu")
-    local = build_rank_model(config, ctx, "cpu")
+    config = fastmoe_config(layers=2, d_model=16, d_hidden=24, experts=experts, heads=2, top_k=top_k,
+                            batch_size=8, samples=8, seq_len=5, world_size=ctx.world_size)
+    full = build_rank_model(config, 0, 1, "cpu")
+    local = build_rank_model(config, ctx.rank, ctx.world_size, "cpu")
     if skewed:  # every token to expert 0 (rank 0): the other ranks send and receive nothing
         for model in (full, local):
             with torch.no_grad():
                 for block in model.layers:
                     block.mlp.gate.gate.bias[0] = 100.0
     gen = torch.Generator().manual_seed(1)
-    shapes = (config.batch_size, config.seq_len, config.d_model)
+    shapes = (config.train.batch_size, config.train.seq_len, config.model.d_model)
     x, y = torch.randn(shapes, generator=gen), torch.randn(shapes, generator=gen)
-    per_rank = config.batch_size // ctx.world_size
+    per_rank = config.train.batch_size // ctx.world_size
     rows = slice(ctx.rank * per_rank, (ctx.rank + 1) * per_rank)
     num_local = config.num_local_experts
     diffs = {"output": 0.0, "input_grad": 0.0, "expert_grads": 0.0, "other_grads": 0.0, "loss_curve": 0.0}
@@ -150,13 +151,14 @@ def _switch_capacity_rank(ctx: RankContext, per_rank_capacity: bool = False) -> 
 
         shared = gates.limit_by_capacity
         gates.limit_by_capacity = lambda idx, tot, cap, world_size, group: shared(idx, tot, cap, 1, None)
-    config = FastMoERunConfig(backend="reference", layers=1, d_model=16, d_hidden=24, experts=4, heads=2,
-                              top_k=1, gate="switch", batch_size=8, seq_len=5, world_size=ctx.world_size)
-    models = [build_rank_model(config, ONE_PROCESS, "cpu").eval(), build_rank_model(config, ctx, "cpu").eval()]
+    config = fastmoe_config(layers=1, d_model=16, d_hidden=24, experts=4, heads=2, top_k=1, gate="switch",
+                            batch_size=8, samples=8, seq_len=5, world_size=ctx.world_size)
+    models = [build_rank_model(config, 0, 1, "cpu").eval(),
+              build_rank_model(config, ctx.rank, ctx.world_size, "cpu").eval()]
     for model in models:  # every token wants expert 0: its capacity (shared by the ranks) overflows
         with torch.no_grad():
             model.layers[0].mlp.gate.gate.bias[0] = 100.0
-    x = torch.randn((config.batch_size, config.seq_len, config.d_model), generator=torch.Generator().manual_seed(1))
+    x = torch.randn((config.train.batch_size, config.train.seq_len, config.model.d_model), generator=torch.Generator().manual_seed(1))
     rows = slice(ctx.rank * 4, (ctx.rank + 1) * 4)
     with torch.no_grad():
         out_full, _ = models[0](x)

@@ -109,9 +109,9 @@ def test_seed_mode_passes_the_local_slice_all_gather_only_vacuously():
 
 
 def test_every_check_passes_with_the_largest_seed():
-    from moebench.parity.runner import MAX_SEED
+    from moebench.config import SEED_LIMIT
 
-    summary = run_checks(ParityConfig(world_size=2, seed=MAX_SEED - 1, timeout_s=60))
+    summary = run_checks(ParityConfig(world_size=2, seed=SEED_LIMIT - 1, timeout_s=60))
     for name, record in _by_name(summary).items():
         assert record["status"] in ("pass", "skip"), f"{name}: {record['reason']}"
 

@@ -17,8 +17,11 @@ def test_run_dir_lifecycle(tmp_path):
     run.log_metrics({"step": 1, "loss": 1.5})
     # flushed at once: a reader (or a crash) sees the line before the run ends
     assert results.read_jsonl(run.path / "metrics.jsonl") == [{"step": 1, "loss": 1.5}]
-    run.finish(results.STATUS_OK, {"loss": 1.0})
-    assert results.read_json(run.path / "summary.json") == {"status": "ok", "loss": 1.0}
+    returned = run.finish(results.STATUS_OK, {"loss": 1.0})
+    saved = results.read_json(run.path / "summary.json")
+    assert saved == returned and saved["status"] == "ok" and saved["loss"] == 1.0
+    assert saved["schema"] == "moebench.summary/1" and saved["kind"] == "demo" and saved["run_id"] == run.run_id
+    assert saved["run_path"] == str(run.path.absolute()) and saved["wall_time_s"] >= 0 and saved["pid"] > 0
     assert [p.name for p in run.path.iterdir() if p.name.startswith(".")] == []  # no temp files left
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import make_config
 
-from moebench import deepspeed_run, results
+from moebench import results, train, variants
 from moebench.models.transformer import count_params
+from moebench.variants.deepspeed.model import build_model
 
 pytestmark = pytest.mark.multirank
 
@@ -29,20 +31,21 @@ def refuse_op_builds(monkeypatch, tmp_path):
 
 
 def test_two_rank_expert_parallel_run(tmp_path, refuse_op_builds, no_leftover_children):
-    config = deepspeed_run.resolve_config("quick", {"world_size": 2, "ep_size": 2, "zero_stage": 1,
-                                                    "timeout_s": 180})
-    outcome = deepspeed_run.run(config, results_root=tmp_path / "results", show_progress=False)
+    variant = variants.by_name("deepspeed")
+    config = variant.prepare(make_config("deepspeed", world_size=2, ep_size=2, zero_stage=1, timeout_s=180))
+    outcome = train.run_variant(variant, config, results_root=tmp_path / "results", show_progress=False)
     summary = results.read_json(outcome.run_path / "summary.json")
     assert summary["status"] == "ok" and summary["world_size"] == 2 and summary["ep_size"] == 2
-    assert summary["comm_backend"] == results.read_json(outcome.run_path / "config.json")["comm_backend"] == "gloo"
+    assert summary["comm_backend"] == results.read_json(outcome.run_path / "config.json")["launch"]["comm_backend"]
+    assert summary["comm_backend"] == "gloo"
     # Each rank holds half the experts; the table counts the global model, the same as on one process.
-    whole = count_params(deepspeed_run.build_model(deepspeed_run.resolve_config("quick", {})))
+    whole = count_params(build_model(make_config("deepspeed")))
     assert summary["params"]["total"] == whole["total"]
-    assert summary["params"]["experts"] == whole["by_category"]["experts"]
+    assert summary["params"]["by_category"]["experts"] == whole["by_category"]["experts"]
     # Routing totals are summed over both ranks: every token of the global batch, once per layer.
-    steps = config.epochs * config.steps_per_epoch
+    steps = config.train.total_steps
     for layer in summary["routing"]["per_layer"]:
-        assert layer["routes"] == sum(layer["exp_counts"]) == steps * 2 * config.batch * config.seq
+        assert layer["routes"] == sum(layer["exp_counts"]) == steps * config.train.tokens_per_step
     metrics = results.read_jsonl(outcome.run_path / "metrics.jsonl")
     assert len(metrics) == steps and summary["epoch_loss"][-1] < summary["epoch_loss"][0]
     assert list(refuse_op_builds.iterdir()) == []
@@ -82,8 +85,8 @@ def test_parity_check_10_fails_on_an_off_by_one_expert_placement(monkeypatch):
 
     build = checks_deepspeed.build_layer
 
-    def off_by_one(spec, ep_rank):
-        return build(spec, (ep_rank + 1) % spec.ep_size)
+    def off_by_one(moe, *, experts, seed, ep_rank):
+        return build(moe, experts=experts, seed=seed, ep_rank=(ep_rank + 1) % moe.ep_size)
 
     monkeypatch.setattr(checks_deepspeed, "build_layer", off_by_one)
     record = _check_10(2)
@@ -95,5 +98,7 @@ def test_parity_check_10_fails_on_an_off_by_one_expert_placement(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (NCCL path)")
 def test_quick_run_on_gpu(tmp_path):
-    outcome = deepspeed_run.run(deepspeed_run.resolve_config("quick", {}), results_root=tmp_path, show_progress=False)
+    variant = variants.by_name("deepspeed")
+    config = variants.resolve_config(variant, "quick", {})
+    outcome = train.run_variant(variant, config, results_root=tmp_path, show_progress=False)
     assert outcome.summary["status"] == "ok" and outcome.summary["device"].startswith("cuda")

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from moebench import results
-from moebench.train import LoopSpec, RunFailed, execute_run, loss_summary, train_loop
+from moebench.train import LoopSpec, RunFailed, execute_run, train_loop
 
 
 def _toy_rank(ctx, run_path, steps, fail_at):
@@ -18,7 +18,7 @@ def _toy_rank(ctx, run_path, steps, fail_at):
     target = torch.arange(4.0)
     opt = torch.optim.SGD([w], lr=0.1)
 
-    def step(epoch, i):
+    def step(i):
         if fail_at is not None and i == fail_at:
             raise RuntimeError("toy failure")
         loss = ((w - target) ** 2).mean()
@@ -31,9 +31,9 @@ def _toy_rank(ctx, run_path, steps, fail_at):
         return {"loss": loss.item(), "aux_loss": 0.0}
 
     writer = results.RunDir(Path(run_path)) if ctx.rank == 0 and run_path else None
-    history = train_loop(step, LoopSpec(epochs=2, steps_per_epoch=steps, tokens_per_step=4),
+    history = train_loop(step, LoopSpec(total_steps=2 * steps, steps_per_epoch=steps, tokens_per_step=4),
                          writer=writer, show_progress=False)
-    return {"loss": loss_summary(history), "epoch_loss": history["epoch_avg_loss"]}
+    return {"loss": history["loss"], "epoch_loss": history["epoch_loss"]}
 
 
 def _run(world_size, steps=3, fail_at=None):
@@ -74,7 +74,7 @@ def test_a_failing_run_says_so_in_its_files(world_size):
 
 def test_non_finite_loss_fails_the_loop():
     with pytest.raises(FloatingPointError, match="nan"):
-        train_loop(lambda e, s: {"loss": float("nan")}, LoopSpec(epochs=1, steps_per_epoch=2, tokens_per_step=1),
+        train_loop(lambda s: {"loss": float("nan")}, LoopSpec(total_steps=2, steps_per_epoch=2, tokens_per_step=1),
                    writer=None, show_progress=False)
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import sys
 
 import typer
-from typer.core import TyperGroup
 
 # typer >= 0.29 vendors click; its usage errors live here (pyproject pins typer>=0.29)
 from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
+from typer.core import TyperGroup
 
 from moebench import __version__
 from moebench.errors import RunFailed, UserError
@@ -68,6 +68,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    rich_markup_mode=None,  # plain click help: wraps at any width, no <bool> placeholders
 )
 
 
@@ -81,16 +82,23 @@ def _version(value: bool) -> None:
 def _root(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                  help="Print the version and exit."),
+    debug: bool = typer.Option(False, "--debug", help="Let every rank print (otherwise only rank 0 talks)."),
 ) -> None:
     """moebench: env-check, run <variant>, verify-parity."""
+    import os
+
+    from moebench.distributed.env import DEBUG_ENV
+
+    if debug:
+        os.environ[DEBUG_ENV] = "1"  # read by every rank, forked or started by torchrun
 
 
 def _compose() -> None:
     from moebench.cli import envcheck, parity, run
 
-    app.add_typer(envcheck.app, name="env-check")
+    app.add_typer(envcheck.app)  # a Typer with one command: merged, so `env-check` is a leaf command
     app.add_typer(run.app, name="run")
-    app.add_typer(parity.app, name="verify-parity")
+    app.add_typer(parity.app)
 
 
 _compose()

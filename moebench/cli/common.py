@@ -17,8 +17,8 @@ def echo_failure_json(exc: RunFailed) -> None:
     try:
         summary = results.read_json(Path(exc.run_path) / "summary.json")
     except (OSError, ValueError):  # died before summary.json was written
-        summary = {"status": "failed", "error": str(exc)}
-    typer.echo(json.dumps(results.to_jsonable({**summary, "run_path": str(exc.run_path)})))
+        summary = {"status": "failed", "error": str(exc), "run_path": str(exc.run_path)}
+    typer.echo(json.dumps(results.to_jsonable(summary)))
 
 
 def run_and_report(run: Callable[[], object], *, as_json: bool,
@@ -37,7 +37,7 @@ def run_and_report(run: Callable[[], object], *, as_json: bool,
     if outcome.run_path is None:  # a non-writing torchrun rank
         return
     if as_json:
-        typer.echo(json.dumps(results.to_jsonable({**outcome.summary, "run_path": str(outcome.run_path)})))
+        typer.echo(json.dumps(results.to_jsonable(outcome.summary)))
         return
     print_report(outcome.summary, outcome.run_path)
 

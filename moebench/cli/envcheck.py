@@ -3,31 +3,30 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Optional
 
 import typer
 
+from moebench.cli import flags
 from moebench.errors import UserError
 
-app = typer.Typer(help="Probe torch / CUDA / NCCL / gloo / DeepSpeed / fastmoe and say how to fix what is wrong.")
+app = typer.Typer()
 
 MAX_PROBE_TIMEOUT_S = 3600.0
 REPORT_FILE = "envcheck.json"
 
 
-@app.callback(invoke_without_command=True)
+@app.command("env-check")
 def env_check(
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON document (schema: docs/env-check.md) instead of the table."),
+    as_json: bool = flags.shared_option("as_json"),
     no_probe: bool = typer.Option(False, "--no-probe", help="Skip the live collective probe (2 local ranks)."),
     probe_timeout: float = typer.Option(30.0, "--probe-timeout", metavar="SECONDS",
                                         help="Deadline of the collective probe; a probe still running then is reported as hung."),
     strict: bool = typer.Option(False, "--strict", help="Exit 1 on warnings too, not only on failures."),
     report: bool = typer.Option(False, "--report", help="Print a plain block to paste into a bug report instead of the table."),
-    results_dir: Optional[Path] = typer.Option(None, "--results-dir", metavar="DIR",
-                                               help="Results root (default: $MOEBENCH_RESULTS or ./results); saved under <DIR>/env/<run-id>/."),
+    results_dir: Optional[str] = flags.shared_option("results_dir"),
 ) -> None:
-    """Probe the environment: one row per item with status, what was found, what is required, and a fix.
+    """Probe torch / CUDA / NCCL / gloo / DeepSpeed / fastmoe: per item ok / warn / fail / skip and the fix.
 
     Exit code 0 when nothing failed, 1 when something failed (--strict: or warned), 2 on bad flags.
     """
@@ -37,10 +36,10 @@ def env_check(
         raise UserError("cannot be combined with --json (pick one output)", flag="--report")
     from moebench import results
 
+    results.check_root(results_dir, "env")
     root = results.results_root(results_dir)
-    results.check_root(root, "env")
 
-    from moebench.envcheck import run_all, render
+    from moebench.envcheck import render, run_all
 
     outcome = run_all(probe=not no_probe, probe_timeout_s=probe_timeout)
     run = results.RunDir.create("env", root=root)
@@ -49,7 +48,7 @@ def env_check(
     run.write_json(REPORT_FILE, document)
     code = outcome.exit_code(strict)
     run.finish(results.STATUS_OK if outcome.status != "fail" else results.STATUS_FAILED,
-               {"counts": document["counts"], "elapsed_s": document["elapsed_s"], "exit_code": code,
+               {"counts": document["counts"], "exit_code": code,
                 "strict": strict, "report": REPORT_FILE})
 
     if as_json:

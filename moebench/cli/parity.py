@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 from typing import List, Optional
 
 import typer
 
-app = typer.Typer(help="Multi-rank parity checks against single-process references.")
+from moebench.cli import flags
+from moebench.distributed.env import is_printer as _is_printer
+from moebench.errors import UserError
 
-
-def _is_printer() -> bool:
-    # Under torchrun every rank runs this command; only rank 0 talks.
-    return int(os.environ.get("RANK", "0")) == 0
+app = typer.Typer()
 
 
 def _list(as_json: bool) -> None:
@@ -62,7 +60,7 @@ def _print_table(summary: dict) -> None:
     from rich.table import Table
 
     console = _console()
-    table = Table(box=box.SIMPLE_HEAD, title=f"verify-parity: {summary['world_size']} rank(s), {summary['backend']}, "
+    table = Table(box=box.SIMPLE_HEAD, title=f"verify-parity: {summary['world_size']} rank(s), {summary['comm_backend']}, "
                         f"tolerance {summary['tolerance']}")
     table.add_column("check", no_wrap=True)
     for col in ("result", "max abs", "max rel", "rtol/atol", "magnitude", "vacuous", "time"):
@@ -82,27 +80,31 @@ def _print_table(summary: dict) -> None:
             console.print(c["reason"], markup=False, highlight=False)
     counts = summary["counts"]
     console.print(f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped; "
-                  f"{summary['vacuous_total']} vacuous comparison(s); {summary['elapsed_s']:.1f} s; "
-                  f"saved to {summary['run_dir']}", highlight=False)
+                  f"{summary['vacuous_total']} vacuous comparison(s); {summary['wall_time_s']:.1f} s; "
+                  f"saved to {summary['run_path']}", highlight=False)
     if summary["vacuous_total"]:
         console.print("[yellow]vacuous: the tolerance is not below the magnitude compared (or the comparison "
                       "is not asserted at all), so an all-zero result would pass.[/]")
 
 
-@app.callback(invoke_without_command=True)
+@app.command("verify-parity")
 def verify_parity(
-    world_size: int = typer.Option(4, "--world-size", "-n", help="Local ranks to start (ignored under torchrun)."),
-    checks: Optional[str] = typer.Option(None, "--checks", help="Comma-separated check names (default: all)."),
-    list_checks: bool = typer.Option(False, "--list", help="List the registered checks and exit."),
-    timeout: float = typer.Option(120.0, "--timeout", help="Deadline of each check in seconds."),
-    backend: str = typer.Option("auto", "--backend", help="auto (NCCL with enough GPUs, else gloo), gloo or nccl."),
+    world_size: int = flags.shared_option("world_size", 4),
+    checks: Optional[str] = typer.Option(None, "--checks", metavar="NAMES",
+                                         help="Comma-separated check names (default: all; see --list)."),
+    list_checks: bool = flags.shared_option("list_names"),
+    timeout: float = flags.shared_option("timeout_s", 120.0),
+    comm_backend: flags.annotation(flags.SHARED_FIELDS["comm_backend"]) = flags.shared_option("comm_backend", "auto"),
+    backend_old: flags.annotation(flags.SHARED_FIELDS["comm_backend"]) = typer.Option(
+        None, "--backend", hidden=True, case_sensitive=False, help="Old spelling of --comm-backend."),
     tolerance: str = typer.Option("strict", "--tolerance", help="strict (relative to magnitude) or seed (the seeds' own)."),
-    impl: List[str] = typer.Option([], "--impl", help="Verify your code, KEY=pkg.mod:attr with KEY all-gather, experts, "
-                                   "ddp, replicate, moe or moe-sync (repeatable; contracts: docs/verify-parity.md)."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON document (the saved summary.json) instead of the table."),
+    impl: List[str] = typer.Option([], "--impl", metavar="KEY=MOD:ATTR",
+                                   help="Verify your code: KEY all-gather, experts, ddp, replicate, moe or moe-sync "
+                                   "(repeatable; contracts: docs/verify-parity.md)."),
+    as_json: bool = flags.shared_option("as_json"),
     debug_collectives: bool = typer.Option(False, "--debug-collectives", help="TORCH_DISTRIBUTED_DEBUG=DETAIL in every rank."),
-    results_dir: Optional[str] = typer.Option(None, "--results-dir", help="Results root (default: $MOEBENCH_RESULTS or ./results)."),
-    seed: int = typer.Option(0, "--seed", help="Base random seed of every check's tensors."),
+    results_dir: Optional[str] = flags.shared_option("results_dir"),
+    seed: int = flags.shared_option("seed", 0),
 ) -> None:
     """Run the parity checks: exit 0 when all ran passed, 1 when any failed or none ran, 2 on bad input."""
     if list_checks:
@@ -111,13 +113,17 @@ def verify_parity(
     import contextlib
 
     from moebench.console import stdout_to_stderr
-    from moebench.results import check_root
     from moebench.parity.registry import parse_impls
-    from moebench.parity.runner import ParityConfig, verify_parity as run
+    from moebench.parity.runner import ParityConfig
+    from moebench.parity.runner import verify_parity as run
+    from moebench.results import check_root
 
     check_root(results_dir, "parity")
-    names = tuple(n.strip() for n in checks.split(",") if n.strip()) if checks else ()
-    config = ParityConfig(world_size=world_size, checks=names, timeout_s=timeout, backend=backend,
+    names = tuple(n.strip() for n in checks.split(",") if n.strip()) if checks is not None else ()
+    if checks is not None and not names:
+        raise UserError("names no check; give check names (see --list) or leave the flag out", flag="--checks")
+    config = ParityConfig(world_size=world_size, checks=names, timeout_s=timeout,
+                          comm_backend=backend_old or comm_backend,
                           tolerance=tolerance, impls=parse_impls(impl), debug_collectives=debug_collectives,
                           seed=seed)
 

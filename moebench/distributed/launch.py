@@ -45,6 +45,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from moebench.distributed.env import debug, local_world_size, rank_threads
+from moebench.distributed.env import is_launched_rank as under_torchrun
 from moebench.errors import UserError
 
 # After one rank fails, the others get this long to finish or fail on their own (their collective
@@ -131,17 +133,6 @@ def check(result: LaunchResult) -> LaunchResult:
     return result
 
 
-def under_torchrun() -> bool:
-    """True when RANK and WORLD_SIZE say an external launcher made this process one rank."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def local_world_size(world_size: int) -> int:
-    """Ranks on this machine: LOCAL_WORLD_SIZE under torchrun / deepspeed, else all `world_size`
-    (moebench starts every rank locally). "auto" backends and GPU counts are judged on this."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() else world_size
-
-
 def resolve_backend(backend: str, world_size: int) -> str:
     """"auto" -> NCCL when CUDA has a GPU per local rank and NCCL is built in, else gloo."""
     if backend != "auto":
@@ -153,6 +144,38 @@ def resolve_backend(backend: str, world_size: int) -> str:
     ):
         return "nccl"
     return "gloo"
+
+
+def gpu_shortfall(count: int, *, need_nccl: bool) -> str | None:
+    """Why `count` local ranks cannot each have a CUDA GPU (and NCCL, when `need_nccl`), or None."""
+    if not torch.cuda.is_available():
+        return "needs CUDA GPUs and torch sees none here"
+    found = torch.cuda.device_count()
+    if found < count:
+        return f"needs {count} CUDA GPUs (one per local rank) and torch sees {found}"
+    if need_nccl and not dist.is_nccl_available():
+        return "needs NCCL and this torch build has none"
+    return None
+
+
+def resolve_placement(world_size: int, device: str, comm_backend: str) -> tuple[str, str]:
+    """(device, comm backend) with "auto" resolved for this machine; an impossible request is a
+    UserError now, not a quiet fallback to CPU ranks after the run folder exists."""
+    ranks = local_world_size(world_size)
+    if device == "auto":
+        device = "cuda" if gpu_shortfall(ranks, need_nccl=False) is None else "cpu"
+    elif device == "cuda":
+        shortfall = gpu_shortfall(ranks, need_nccl=False)
+        if shortfall is not None:
+            raise UserError(f"cuda on {ranks} local rank(s) {shortfall}; use --device cpu or auto", flag="--device")
+    if comm_backend == "auto":
+        comm_backend = "nccl" if device == "cuda" and dist.is_nccl_available() else "gloo"
+    elif comm_backend == "nccl":
+        shortfall = gpu_shortfall(ranks, need_nccl=True) or (None if device == "cuda" else "needs --device cuda")
+        if shortfall is not None:
+            raise UserError(f"nccl on {ranks} local rank(s) {shortfall}; use --comm-backend gloo or auto",
+                            flag="--comm-backend")
+    return device, comm_backend
 
 
 def launch(
@@ -263,16 +286,21 @@ def _child_main(fn, args, rank, world_size, backend, pg_timeout_s, workdir, env)
     # tracebacks of their own would bury the one line that matters.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    # A rank's output is never moebench's result: keep stdout clean for `--json`.
-    os.dup2(2, 1)
+    # A rank's output is never moebench's result: keep stdout clean for `--json`. Only rank 0
+    # talks; the others' prints are dropped unless --debug (their errors come back as payloads).
+    if rank == 0 or debug():
+        os.dup2(2, 1)
+    else:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.close(devnull)
     os.environ.update(env)
     # torch reads TORCH_DISTRIBUTED_DEBUG once at import, which happened before the fork.
     dist.set_debug_level_from_env()
     stack_file = open(Path(workdir) / f"stacks{rank}.txt", "w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)  # the deadline's dump
     faulthandler.enable(file=stack_file, all_threads=True)  # a fatal signal's dump (SIGABRT, SIGSEGV)
-    # Oversubscribed ranks (16 on 2 cores) crawl when each also spawns a full intra-op pool.
-    torch.set_num_threads(1)
+    torch.set_num_threads(rank_threads(world_size))
     device = "cpu"
     try:
         if backend == "nccl":
@@ -440,6 +468,7 @@ def _run_as_torchrun_rank(fn, args, backend, timeout_s, label) -> LaunchResult:
         # peers' pending collectives on the default group (gloo aborts on such a mismatch).
         _RESULTS_GROUP = dist.new_group(backend="gloo")
     device = f"cuda:{local_rank}" if "nccl" in backend else "cpu"
+    torch.set_num_threads(rank_threads(local_world))  # torchrun sets 1 thread, the deepspeed launcher none
     ctx = RankContext(rank=rank, world_size=world_size, local_rank=local_rank, backend=backend,
                       device=device, under_torchrun=True)
     # A hang inside fn: name it, dump every thread's stack and exit, so torchrun tears the job

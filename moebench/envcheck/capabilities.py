@@ -15,43 +15,6 @@ RANK_MEMORY_BYTES = 256 * 1024**2
 PARITY_REGISTRY = "moebench.parity.registry"
 
 
-def _status_of(lookup, check_id: str) -> str | None:
-    found = lookup(check_id)
-    return found.status if found else None
-
-
-def _gloo_all_to_all(lookup) -> str:
-    probe = lookup("probe.gloo")
-    if probe is None or probe.status == "skip":
-        return "expert parallelism over gloo untested (probe skipped)"
-    ops = probe.data.get("ops", {})
-    if ops.get("all_to_all_single_uneven", {}).get("ok"):
-        return "expert parallelism over gloo: yes (uneven all_to_all_single works)"
-    return "expert parallelism over gloo: no (the probe's all_to_all_single failed)"
-
-
-def _fastmoe(lookup, base: dict) -> Check:
-    fmoe_ok = _status_of(lookup, "fastmoe.fmoe") == OK
-    cuda_ok = _status_of(lookup, "fastmoe.fmoe_cuda") in (OK, WARN)
-    gpus = (lookup("cuda.devices").data.get("torch_device_count", 0) if lookup("cuda.devices") else 0)
-    if fmoe_ok and cuda_ok and gpus:
-        return Check(**base, status=OK, found=f"yes: the real fmoe on {gpus} GPU(s), or the reference port")
-    why = ("fmoe not installed" if _status_of(lookup, "fastmoe.fmoe") in ("skip", "warn")
-           else "fmoe does not import" if not fmoe_ok else "fmoe_cuda unusable" if not cuda_ok else "no CUDA GPU")
-    device = "cuda" if gpus else "cpu"
-    return Check(**base, status=OK, found=f"yes: moebench's reference port on {device} ({why}); {_gloo_all_to_all(lookup)}")
-
-
-def _deepspeed(lookup, base: dict) -> Check:
-    imported = lookup("deepspeed.import")
-    if imported is not None and imported.status == FAIL:
-        return Check(**base, status=FAIL, found=f"no: {imported.found}", hint=imported.hint)
-    data = imported.data if imported is not None else {}
-    how = (f"accelerator {data['accelerator']}, comm {data.get('comm_backend', '?')}" if data.get("accelerator")
-           else "import not tested (summary mode)")
-    return Check(**base, status=OK, found=f"yes: {how}")
-
-
 def _parity_registry() -> tuple[list | None, dict, str]:
     """(registered checks, module import errors, why not loadable)."""
     try:
@@ -72,7 +35,8 @@ def _verify_parity(lookup) -> Check:
     available = memory.data.get("available_bytes", 0) if memory else 0
     gloo_max = max(1, min(available // RANK_MEMORY_BYTES, importlib.import_module(PARITY_REGISTRY).MAX_WORLD_SIZE))
     gpus = lookup("cuda.devices").data.get("torch_device_count", 0) if lookup("cuda.devices") else 0
-    nccl_ok = _status_of(lookup, "comm.nccl") == OK and gpus > 0
+    nccl = lookup("comm.nccl")
+    nccl_ok = nccl is not None and nccl.status == OK and gpus > 0
     data = {"gloo_max_local_world_size": int(gloo_max), "nccl_max_local_world_size": gpus if nccl_ok else 0,
             "cores": cores}
     if gloo is None or gloo.status == FAIL or (probe is not None and probe.status == FAIL):
@@ -107,11 +71,8 @@ def checks(lookup: Callable[[str], Check | None]) -> list[Check]:
         if missing:
             out.append(Check(**base, status=FAIL, found=f"no: missing {', '.join(missing)}",
                              hint="`make install` installs every dependency"))
-        elif variant.name == "fastmoe":
-            out.append(_fastmoe(lookup, base))
-        elif variant.name == "deepspeed":
-            out.append(_deepspeed(lookup, base))
         else:
-            out.append(Check(**base, status=OK, found="yes: its modules import"))
+            status, found, hint = variant.capability(lookup)
+            out.append(Check(**base, status=status, found=found, hint=hint))
     out.append(_verify_parity(lookup))
     return out

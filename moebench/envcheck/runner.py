@@ -7,7 +7,16 @@ import socket
 import time
 
 from moebench import __version__
-from moebench.envcheck import capabilities, comm, deepspeed_stack, fastmoe_stack, host, reference_stack, torch_cuda
+from moebench.envcheck import (
+    capabilities,
+    comm,
+    constraints,
+    deepspeed_stack,
+    fastmoe_stack,
+    host,
+    reference_stack,
+    torch_cuda,
+)
 from moebench.envcheck import probe as collective_probe
 from moebench.envcheck.check import Check, Report
 
@@ -29,6 +38,7 @@ def run_all(probe: bool = True, probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S
         return next((c for c in checks if c.id == check_id), None)
 
     checks += host.checks()
+    checks += constraints.checks()
     checks += torch_cuda.checks()
     checks += comm.checks()
     gpu_count = lookup("cuda.devices").data.get("torch_device_count", 0)

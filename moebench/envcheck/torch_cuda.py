@@ -183,8 +183,8 @@ def checks() -> list[Check]:
             status=WARN if smi_gpus else SKIP,
             found="CPU-only build (torch.version.cuda is None)" + (f", but nvidia-smi sees {smi_gpus} GPU(s)" if smi_gpus else ""),
             required="a CUDA build only to use GPUs",
-            hint="install a CUDA wheel: `make install TORCH_SPEC=torch==2.13.0 PIP_EXTRA='--index-url https://download.pytorch.org/whl/cu126'`"
-            if smi_gpus else "")
+            hint=("install a CUDA wheel: `make install TORCH_SPEC=torch==2.13.0 "
+                  "TORCH_PIP_ARGS='--index-url https://download.pytorch.org/whl/cu126'`") if smi_gpus else "")
     build.data = {"torch_cuda": torch_cuda, "hip": hip}
     out.append(build)
 

@@ -21,48 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import torch
 from torch import nn
-
-NOISY_GATE_POLICIES = ("none", "Jitter", "RSample")
-"""--noisy-gate-policy values; "none" is passed to DeepSpeed as None."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class MoELayerSpec:
-    """Everything needed to build one DeepSpeed MoE layer (one Transformer block's MLP)."""
-
-    d_model: int
-    """Hidden size: the layer's input and output width."""
-    d_hidden: int
-    """Hidden width of each expert's two-layer MLP."""
-    experts: int
-    """Experts in this layer, over all expert-parallel ranks."""
-    ep_size: int = 1
-    """Expert-parallel ranks; each holds experts // ep_size of them (num_local_experts)."""
-    top_k: int = 1
-    """Experts per token (DeepSpeed's k)."""
-    capacity_factor: float = 1.0
-    """Training capacity factor: each expert takes ceil(tokens / experts * factor * k) tokens."""
-    eval_capacity_factor: float = 1.0
-    """The same, in eval mode."""
-    min_capacity: int = 4
-    """Lower bound on every expert's capacity."""
-    noisy_gate_policy: str = "none"
-    """none | Jitter (multiplicative input noise) | RSample (Gumbel noise on the logits, k=1 only)."""
-    use_residual: bool = False
-    """Residual MoE: a dense MLP beside the experts, mixed by a learned 2-way coefficient."""
-    drop_tokens: bool = True
-    """Drop tokens beyond capacity (False: capacity grows to the busiest expert's demand)."""
-    use_rts: bool = True
-    """Random Token Selection when dropping (k=1)."""
-    top2_2nd_expert_sampling: bool = True
-    """Gumbel sampling of the second expert (k=2)."""
-    layer_index: int = 0
-    """Position in the stack (seeds this layer's experts)."""
-    seed: int = 0
-    """Base seed of the per-expert initial weights."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -106,25 +68,30 @@ def expert_seed(seed: int, layer_index: int, global_expert: int) -> int:
 class DeepSpeedMoEMLP(nn.Module):
     """`deepspeed.moe.layer.MoE` behind the block's MLP contract: forward(x) -> (y, l_aux)."""
 
-    def __init__(self, spec: MoELayerSpec, *, ep_rank: int = 0) -> None:
+    def __init__(self, moe, *, d_model: int, experts: int, layer_index: int = 0, seed: int = 0,
+                 ep_rank: int = 0, top2_2nd_expert_sampling: bool = True) -> None:
+        """`moe` is the variant's DeepSpeedMoEConfig (passed whole: d_hidden, ep_size, top_k,
+        capacity factors, min_capacity, noisy_gate_policy, use_residual, drop_tokens, use_rts);
+        `experts` is this layer's global count, `layer_index` and `seed` seed its experts;
+        `top2_2nd_expert_sampling` False makes top-2 deterministic (parity checks)."""
         super().__init__()
         from deepspeed.moe.layer import MoE
 
-        self.spec = spec
+        self.layer_index, self.seed = layer_index, seed
         self.moe = MoE(
-            hidden_size=spec.d_model,
-            expert=make_expert(spec.d_model, spec.d_hidden),
-            num_experts=spec.experts,
-            ep_size=spec.ep_size,
-            k=spec.top_k,
-            capacity_factor=spec.capacity_factor,
-            eval_capacity_factor=spec.eval_capacity_factor,
-            min_capacity=spec.min_capacity,
-            use_residual=spec.use_residual,
-            noisy_gate_policy=None if spec.noisy_gate_policy == "none" else spec.noisy_gate_policy,
-            drop_tokens=spec.drop_tokens,
-            use_rts=spec.use_rts,
-            top2_2nd_expert_sampling=spec.top2_2nd_expert_sampling,
+            hidden_size=d_model,
+            expert=make_expert(d_model, moe.d_hidden),
+            num_experts=experts,
+            ep_size=moe.ep_size,
+            k=moe.top_k,
+            capacity_factor=moe.capacity_factor,
+            eval_capacity_factor=moe.eval_capacity_factor,
+            min_capacity=moe.min_capacity,
+            use_residual=moe.use_residual,
+            noisy_gate_policy=None if moe.noisy_gate_policy == "none" else moe.noisy_gate_policy,
+            drop_tokens=moe.drop_tokens,
+            use_rts=moe.use_rts,
+            top2_2nd_expert_sampling=top2_2nd_expert_sampling,
         )
         self.num_local_experts = self.moe.num_local_experts
         self.ep_rank = ep_rank
@@ -144,7 +111,7 @@ class DeepSpeedMoEMLP(nn.Module):
     def _seed_experts(self) -> None:
         for j, expert in enumerate(self.local_experts):
             g = self.ep_rank * self.num_local_experts + j
-            gen = torch.Generator().manual_seed(expert_seed(self.spec.seed, self.spec.layer_index, g))
+            gen = torch.Generator().manual_seed(expert_seed(self.seed, self.layer_index, g))
             with torch.no_grad():
                 for module in expert.modules():
                     if isinstance(module, nn.Linear):
@@ -187,3 +154,19 @@ class DeepSpeedMoEMLP(nn.Module):
 def moe_layers(model: nn.Module) -> list[DeepSpeedMoEMLP]:
     """Every DeepSpeed MoE MLP of a model, in layer order."""
     return [m for m in model.modules() if isinstance(m, DeepSpeedMoEMLP)]
+
+
+def create_expert_groups(ep_size: int) -> None:
+    """Create DeepSpeed's expert / expert-data groups for `ep_size` now, as `deepspeed.initialize`
+    would, but without its "No existing process group found" print on every rank (needs
+    `deepspeed.init_distributed` first)."""
+    from deepspeed.utils import groups
+
+    if f"ep_size_{ep_size}" not in groups._get_expert_parallel_group_dict():
+        groups._create_expert_and_data_parallel(ep_size)
+
+
+def set_accelerator_env(device: str) -> None:
+    """Tell DeepSpeed its accelerator before it is imported (here and in forked ranks): with no
+    DS_ACCELERATOR it probes, and on CPU every rank logs "Setting accelerator to CPU"."""
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.startswith("cuda") else "cpu")

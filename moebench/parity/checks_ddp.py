@@ -21,8 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from moebench.parity.compare import (EXACT, SEED_ALLCLOSE_DEFAULT, SEED_REPLICATE, STRICT, STRICT_ADAM,
-                                     compare, pick)
+from moebench.parity.compare import EXACT, SEED_ALLCLOSE_DEFAULT, SEED_REPLICATE, STRICT, STRICT_ADAM, compare, pick
 from moebench.parity.registry import Check, CheckOptions, impl_or_default, register
 
 ADAM_LR = 1e-3

@@ -65,13 +65,15 @@ def new_groups_time_out_after(seconds: float):
             setattr(c10d, n, value)
 
 
-def build_layer(spec, ep_rank: int):
+def build_layer(moe, *, experts: int, seed: int, ep_rank: int):
     """One adapter layer; expert j on this rank is global expert ep_rank * n + j."""
-    from moebench.models.deepspeed_moe import DeepSpeedMoEMLP
+    from moebench.models.deepspeed_moe import DeepSpeedMoEMLP, create_expert_groups
 
-    torch.manual_seed(spec.seed)  # gate / residual / coefficient: same on every rank and both layers
-    layer = DeepSpeedMoEMLP(spec, ep_rank=ep_rank)
-    layer.moe.set_deepspeed_parallelism()  # DeepSpeed's own expert groups (a collective)
+    torch.manual_seed(seed)  # gate / residual / coefficient: same on every rank and both layers
+    layer = DeepSpeedMoEMLP(moe, d_model=D_MODEL, experts=experts, seed=seed, ep_rank=ep_rank,
+                            top2_2nd_expert_sampling=False)
+    create_expert_groups(moe.ep_size)  # DeepSpeed's own expert groups (a collective), created quietly
+    layer.moe.set_deepspeed_parallelism()
     return layer
 
 
@@ -92,8 +94,8 @@ def _rank(ctx, opts: CheckOptions) -> list:
         raise SkipCheck(f"deepspeed is not importable: {exc}") from None
     import torch.distributed as dist
 
-    from moebench.deepspeed_run import deepspeed_comm
-    from moebench.models.deepspeed_moe import MoELayerSpec
+    from moebench.variants.deepspeed.comm import deepspeed_comm
+    from moebench.variants.deepspeed.config import DeepSpeedMoEConfig
 
     tol, asserted = pick(opts.tolerance, strict=STRICT, seed=SEED_DEEPSPEED)
     world, rank = ctx.world_size, ctx.rank
@@ -103,11 +105,12 @@ def _rank(ctx, opts: CheckOptions) -> list:
     with new_groups_time_out_after(group_timeout_s(opts.timeout_s)), \
             deepspeed_comm(ctx, compiled_ops=False, timeout_s=opts.timeout_s):
         for case, (label, knobs) in enumerate(CASES):
-            spec = MoELayerSpec(d_model=D_MODEL, d_hidden=D_HIDDEN, experts=EXPERTS_PER_RANK * world,
-                                min_capacity=0, drop_tokens=False, use_rts=False,
-                                top2_2nd_expert_sampling=False, seed=opts.seed + case, **knobs)
-            sharded = build_layer(dataclasses.replace(spec, ep_size=world), ep_rank=rank)
-            whole = build_layer(spec, ep_rank=0)
+            moe = DeepSpeedMoEConfig(experts=(EXPERTS_PER_RANK * world,), d_hidden=D_HIDDEN, capacity_factor=1.0,
+                                     eval_capacity_factor=1.0, min_capacity=0, noisy_gate_policy="none",
+                                     drop_tokens=False, use_rts=False, ep_size=1, **knobs)
+            experts, seed = EXPERTS_PER_RANK * world, opts.seed + case
+            sharded = build_layer(dataclasses.replace(moe, ep_size=world), experts=experts, seed=seed, ep_rank=rank)
+            whole = build_layer(moe, experts=experts, seed=seed, ep_rank=0)
             n = sharded.num_local_experts
             for j, expert in enumerate(sharded.local_experts):
                 g = rank * n + j

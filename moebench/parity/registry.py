@@ -29,11 +29,8 @@ import importlib.util
 import traceback
 from typing import Any, Callable
 
+from moebench.config import MAX_WORLD_SIZE  # noqa: E402,F401 - env-check reads the cap from here too
 from moebench.errors import UserError
-
-# Largest --world-size: oversubscribing far beyond this on one machine only measures the scheduler.
-# (env-check caps the world size it reports as runnable at this number too.)
-MAX_WORLD_SIZE = 64
 
 CHECK_MODULES = (
     "moebench.parity.checks_ddp",

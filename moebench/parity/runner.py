@@ -20,19 +20,17 @@ from typing import Any, Callable
 
 import torch
 
-from moebench.distributed.launch import (launch, local_world_size, resolve_backend, sigterm_as_interrupt,
-                                         under_torchrun)
+from moebench.config import COMM_BACKENDS, require_choice, require_seed, require_world_size
+from moebench.distributed.launch import launch, local_world_size, resolve_backend, sigterm_as_interrupt, under_torchrun
 from moebench.errors import UserError
-from moebench.results import STATUS_FAILED, STATUS_INTERRUPTED, STATUS_OK, RunDir
 from moebench.parity.compare import TOLERANCE_MODES, Comparison
-from moebench.parity.registry import (MAX_WORLD_SIZE, Check, CheckOptions, SkipCheck, all_checks, load_all,
-                                      select)
+from moebench.parity.registry import Check, CheckOptions, SkipCheck, all_checks, load_all, select
+from moebench.results import STATUS_FAILED, STATUS_INTERRUPTED, STATUS_OK, RunDir
 
 DEFAULT_TIMEOUT_S = 120.0
-BACKENDS = ("auto", "gloo", "nccl")
-# Seeds stay below 2**32: the checks derive per-rank / per-step seeds as seed * 10_000 + offset,
-# which must still fit torch's 64-bit generator seed.
-MAX_SEED = 2**32
+# --seed takes every command's range (0 to 2**63-1); the checks derive per-rank / per-step seeds as
+# seed * 10_000 + offset, which must still fit torch's 64-bit generator seed, so they see seed mod 2**32.
+CHECK_SEED_MODULUS = 2**32
 # Under torchrun the job has ONE default group for every check. On NCCL it carries both backends,
 # so CPU-only checks run over gloo and CUDA tensors over NCCL in the same job.
 TORCHRUN_NCCL_BACKEND = "cpu:gloo,cuda:nccl"
@@ -48,7 +46,7 @@ class ParityConfig:
     """Names of the checks to run (empty: all)."""
     timeout_s: float = DEFAULT_TIMEOUT_S
     """Deadline of each check, seconds; the process-group timeout is shorter."""
-    backend: str = "auto"
+    comm_backend: str = "auto"
     """"auto" (NCCL with enough GPUs, else gloo), "gloo" or "nccl"."""
     tolerance: str = "strict"
     """"strict" or "seed"."""
@@ -57,21 +55,19 @@ class ParityConfig:
     debug_collectives: bool = False
     """Set TORCH_DISTRIBUTED_DEBUG=DETAIL in every rank."""
     seed: int = 0
-    """Base random seed, 0 <= seed < 2**32."""
+    """Base random seed, 0 <= seed < 2**63 (the checks use it modulo 2**32)."""
 
     def __post_init__(self) -> None:
-        if not under_torchrun() and not 1 <= self.world_size <= MAX_WORLD_SIZE:
-            raise UserError(f"must be between 1 and {MAX_WORLD_SIZE}, got {self.world_size}", flag="--world-size")
+        if not under_torchrun():
+            require_world_size(self.world_size)
         if not self.timeout_s > 0 or not math.isfinite(self.timeout_s):
             raise UserError(f"must be a positive number of seconds, got {self.timeout_s}", flag="--timeout")
-        if self.backend not in BACKENDS:
-            raise UserError(f"must be one of {', '.join(BACKENDS)}, got {self.backend!r}", flag="--backend")
-        if self.backend == "nccl" and not torch.cuda.is_available():
+        require_choice(self.comm_backend, COMM_BACKENDS, "--comm-backend")
+        if self.comm_backend == "nccl" and not torch.cuda.is_available():
             raise UserError("nccl needs CUDA GPUs and none is visible; use --backend gloo", flag="--backend")
         if self.tolerance not in TOLERANCE_MODES:
             raise UserError(f"must be one of {', '.join(TOLERANCE_MODES)}, got {self.tolerance!r}", flag="--tolerance")
-        if not 0 <= self.seed < MAX_SEED:
-            raise UserError(f"must be between 0 and {MAX_SEED - 1}, got {self.seed}", flag="--seed")
+        require_seed(self.seed)
         if self.impls:  # an --impl no selected check uses would be silently ignored
             selected = select(list(self.checks) or None)
             used = {key for check in selected for key in check.impl_keys}
@@ -214,12 +210,12 @@ def run_checks(config: ParityConfig, *, on_record: Callable[[CheckRecord], None]
         dist.set_debug_level_from_env()  # torch read the variable at import
     records: list[CheckRecord] = []
     start = time.monotonic()
-    resolved = resolve_backend(config.backend, local_world_size(world_size))
+    resolved = resolve_backend(config.comm_backend, local_world_size(world_size))
     for check in checks:
         reason = check.skip_reason(world_size)
         backend = None
         if reason is None:
-            backend, reason = check_backend(check, config.backend, resolved)
+            backend, reason = check_backend(check, config.comm_backend, resolved)
         if reason is not None:
             record = CheckRecord(name=check.name, status="skip", seed_source=check.seed_source,
                                  description=check.description, world_size=world_size, elapsed_s=0.0,
@@ -228,7 +224,7 @@ def run_checks(config: ParityConfig, *, on_record: Callable[[CheckRecord], None]
             for module in check.preload:
                 importlib.import_module(module)
             timeout_s = check.timeout_s or config.timeout_s
-            opts = CheckOptions(tolerance=config.tolerance, impls=dict(config.impls), seed=config.seed,
+            opts = CheckOptions(tolerance=config.tolerance, impls=dict(config.impls), seed=config.seed % CHECK_SEED_MODULUS,
                                 timeout_s=timeout_s)
             result = launch(_rank_entry, world_size, args=(check.name, opts), backend=backend,
                             timeout_s=timeout_s, label=f"check {check.name}", env=env)
@@ -238,15 +234,14 @@ def run_checks(config: ParityConfig, *, on_record: Callable[[CheckRecord], None]
             on_record(record)
     counts = {s: sum(1 for r in records if r.status == s) for s in ("pass", "fail", "skip")}
     return {
-        "kind": "parity",
         "world_size": world_size,
-        "backend": resolved,
+        "comm_backend": resolved,
         "tolerance": config.tolerance,
         "impls": dict(config.impls),
         "under_torchrun": under_torchrun(),
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "elapsed_s": time.monotonic() - start,
+        "checks_time_s": time.monotonic() - start,
         "counts": counts,
         "vacuous_total": sum(r.vacuous for r in records),
         "checks": [dataclasses.asdict(r) for r in records],
@@ -268,7 +263,10 @@ def verify_parity(config: ParityConfig, *, results_dir: str | None = None,
     The summary's "status" is "ok" when at least one check passed and none failed, else "failed"
     (with a "reason" when every check was skipped). Ctrl-C / SIGTERM write "interrupted" and
     propagate as KeyboardInterrupt; any other exception writes "failed" and propagates."""
+    from moebench.models.deepspeed_moe import set_accelerator_env
+
     select(list(config.checks) or None)  # unknown names fail before any folder exists
+    set_accelerator_env("cuda" if config.comm_backend == "nccl" or torch.cuda.is_available() else "cpu")
     is_writer = not under_torchrun() or int(os.environ.get("RANK", "0")) == 0
     with sigterm_as_interrupt():
         return _run_and_save(config, results_dir, on_record, is_writer)
@@ -277,8 +275,8 @@ def verify_parity(config: ParityConfig, *, results_dir: str | None = None,
 def _run_and_save(config, results_dir, on_record, is_writer) -> dict[str, Any]:
     run_dir = RunDir.create("parity", root=results_dir) if is_writer else None
     if run_dir is not None:
-        run_dir.write_json("config.json", dataclasses.asdict(config))
-        run_dir.start({"kind": "parity", "run_id": run_dir.run_id})
+        run_dir.write_json("config.json", {"kind": "parity", **dataclasses.asdict(config)})
+        run_dir.start()
     done: list[CheckRecord] = []
 
     def record_done(record: CheckRecord) -> None:
@@ -288,8 +286,7 @@ def _run_and_save(config, results_dir, on_record, is_writer) -> dict[str, Any]:
 
     def finish_early(status: str, **extra) -> None:
         if run_dir is not None:  # keep what finished before the interruption / error
-            run_dir.finish(status, {"kind": "parity", "run_id": run_dir.run_id, **extra,
-                                    "checks": [dataclasses.asdict(r) for r in done]})
+            run_dir.finish(status, {**extra, "checks": [dataclasses.asdict(r) for r in done]})
 
     try:
         summary = run_checks(config, on_record=record_done)
@@ -301,9 +298,7 @@ def _run_and_save(config, results_dir, on_record, is_writer) -> dict[str, Any]:
         raise
     reason = no_check_ran(summary)
     status = STATUS_FAILED if summary["counts"]["fail"] or reason else STATUS_OK
-    summary = {"status": status, "run_id": run_dir.run_id if run_dir else None,
-               "run_dir": str(run_dir.path) if run_dir else None, **({"reason": reason} if reason else {}),
-               **summary}
+    summary = {**({"reason": reason} if reason else {}), **summary}
     if run_dir is not None:
-        run_dir.finish(status, {k: v for k, v in summary.items() if k != "status"})
-    return summary
+        return run_dir.finish(status, summary)
+    return {"status": status, **summary}

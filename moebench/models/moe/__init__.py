@@ -19,10 +19,10 @@ BACKENDS = ("auto", "fmoe", "reference")
 def resolve_backend(requested: str, *, device: str, world_size: int = 1) -> str:
     """"auto" -> "fmoe" when usable here, else "reference"; "fmoe" where unusable -> UserError."""
     if requested not in BACKENDS:
-        raise UserError(f"unknown backend {requested!r}; use one of {', '.join(BACKENDS)}", flag="--backend")
+        raise UserError(f"unknown implementation {requested!r}; use one of {', '.join(BACKENDS)}", flag="--moe-impl")
     reason = fmoe_adapter.unusable_reason(device=device, world_size=world_size)
     if requested == "fmoe" and reason is not None:
-        raise UserError(f"fmoe cannot run here: {reason}; use --backend reference", flag="--backend")
+        raise UserError(f"fmoe cannot run here: {reason}; use --moe-impl reference", flag="--moe-impl")
     if requested == "auto":
         return "reference" if reason is not None else "fmoe"
     return requested
@@ -36,7 +36,7 @@ def build_moe_mlp(*, backend: str, experts: int, d_model: int, d_hidden: int, to
                                            d_hidden=d_hidden, top_k=top_k, gate=gate,
                                            world_size=world_size, group=group, device=device)
     if backend != "reference":
-        raise UserError(f"unknown backend {backend!r}", flag="--backend")
+        raise UserError(f"unknown implementation {backend!r}", flag="--moe-impl")
     return FMoEReference(num_expert=experts // world_size, d_model=d_model, d_hidden=d_hidden,
                          world_size=world_size, group=group, top_k=top_k, gate=GATES[gate],
                          return_aux=True)

@@ -1,0 +1,133 @@
+"""JSON Schemas (draft 2020-12) of every JSON file moebench writes, and a validator for them.
+
+    from moebench.schemas import schema_for, validate_file, validate_tree
+    validate_file("results/fastmoe/<run-id>/summary.json")   # raises jsonschema.ValidationError
+    validate_tree("results")                                  # every known file below; returns how many
+
+The schemas are chosen by file name (results/<kind>/<run-id>/<name>):
+
+    summary.json   summary.schema.json    (the `schema` key: moebench.summary/1)
+    config.json    config.schema.json     (moebench.config/1)
+    params.json    params.schema.json     (moebench.params/1)
+    env.json       env.schema.json        (moebench.env/1)
+    envcheck.json  envcheck.schema.json   (moebench.env-check/1)
+    metrics.jsonl  metrics.schema.json    (every line; no `schema` key)
+
+Torch-free; jsonschema (the `test` extra) is imported only when something is validated.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+SCHEMA_FILES = {
+    "summary.json": "summary.schema.json",
+    "config.json": "config.schema.json",
+    "params.json": "params.schema.json",
+    "env.json": "env.schema.json",
+    "envcheck.json": "envcheck.schema.json",
+    "metrics.jsonl": "metrics.schema.json",
+}
+"""Results file name -> the schema file (in this package) that describes it."""
+
+JSONL_FILES = frozenset({"metrics.jsonl"})
+"""Files validated line by line (one JSON object a line)."""
+
+
+@functools.cache
+def _load(schema_file: str) -> dict:
+    from importlib.resources import files
+
+    return json.loads((files(__package__) / schema_file).read_text(encoding="utf-8"))
+
+
+def schema_for(path: str | os.PathLike) -> dict | None:
+    """The JSON Schema of a results file, chosen by its name; None for a file moebench has no schema for."""
+    schema_file = SCHEMA_FILES.get(Path(path).name)
+    return None if schema_file is None else _load(schema_file)
+
+
+@functools.cache
+def _validator(schema_file: str):
+    import jsonschema
+
+    schema = _load(schema_file)
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    return cls(schema)
+
+
+def _relocated(error, where: str):
+    """`error` (the best match of the instance's errors) with `where` leading its message."""
+    import jsonschema
+
+    path = "".join(f"[{p!r}]" for p in error.absolute_path) or "(top level)"
+    return jsonschema.ValidationError(
+        f"{where}: {path}: {error.message}", validator=error.validator, path=error.absolute_path,
+        cause=error.cause, context=error.context, validator_value=error.validator_value,
+        instance=error.instance, schema=error.schema, schema_path=error.absolute_schema_path)
+
+
+def _check(validator, document: Any, where: str) -> None:
+    import jsonschema
+
+    error = jsonschema.exceptions.best_match(validator.iter_errors(document))
+    if error is not None:
+        raise _relocated(error, where)
+
+
+def validate_document(name: str, document: Any, where: str | None = None) -> None:
+    """Validate one parsed document (one metrics line for metrics.jsonl) against the schema of `name`."""
+    schema_file = SCHEMA_FILES.get(Path(name).name)
+    if schema_file is None:
+        raise ValueError(f"no schema for a file named {Path(name).name!r}; known: {', '.join(SCHEMA_FILES)}")
+    _check(_validator(schema_file), document, where or name)
+
+
+def validate_file(path: str | os.PathLike) -> None:
+    """Validate one results file; raises jsonschema.ValidationError naming the file (and the line of a
+    metrics.jsonl), ValueError for a file name without a schema or a file that is not JSON."""
+    import jsonschema
+
+    path = Path(path)
+    schema_file = SCHEMA_FILES.get(path.name)
+    if schema_file is None:
+        raise ValueError(f"{path}: no schema for a file named {path.name!r}; known: {', '.join(SCHEMA_FILES)}")
+    validator = _validator(schema_file)
+    text = path.read_text(encoding="utf-8")
+    if path.name in JSONL_FILES:
+        for number, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
+                _check(validator, _parse(line, f"{path}:{number}", jsonschema), f"{path}:{number}")
+        return
+    _check(validator, _parse(text, str(path), jsonschema), str(path))
+
+
+def _parse(text: str, where: str, jsonschema) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise jsonschema.ValidationError(f"{where}: not JSON: {exc}") from None
+
+
+def results_files(root: str | os.PathLike) -> list[Path]:
+    """Every file below `root` (or `root` itself) with a schema, sorted; temporary files are left out."""
+    root = Path(root)
+    if root.is_file():
+        return [root] if root.name in SCHEMA_FILES else []
+    if not root.is_dir():
+        return []
+    return sorted(p for name in SCHEMA_FILES for p in root.rglob(name) if p.is_file())
+
+
+def validate_tree(root: str | os.PathLike) -> int:
+    """Validate every results file below `root`; returns how many were checked (0 for a missing root).
+    Raises jsonschema.ValidationError at the first invalid file."""
+    files = results_files(root)
+    for path in files:
+        validate_file(path)
+    return len(files)

@@ -1,0 +1,217 @@
+"""--ds-config: a user's DeepSpeed JSON, read defensively and merged under moebench's flags.
+
+moebench's defaults <- the file <- the flags. A few keys belong to flags too (FLAG_OWNED_KEYS): the
+file's value is used unless the flag is given, and a flag given with another value is a conflict.
+No cold JIT compile unless --compiled-ops: the optimizer is torch's Adam (`"torch_adam": true`), not
+DeepSpeed's FusedAdam (~90 s cold), and settings that would build an op are refused with the fix.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import stat
+
+import torch
+
+from moebench.errors import UserError
+from moebench.variants.deepspeed.config import DeepSpeedRunConfig
+
+NO_COMPILE_OPTIMIZERS = ("adam", "adamw", "adagrad")
+"""ds_config optimizer types that run without a compiled op (plus any torch.optim class name)."""
+HALF_PRECISION_KEYS = ("fp16", "bf16", "bfloat16")
+"""ds_config sections that switch DeepSpeed to half precision ("bfloat16" is bf16's old name)."""
+NEVER_PRINT = 2**31 - 1
+"""steps_per_print: moebench prints its own progress."""
+MAX_DS_CONFIG_BYTES = 1024 * 1024
+"""A DeepSpeed config is a few KiB; anything past 1 MiB is not one (/dev/zero, a wrong file)."""
+MAX_DS_CONFIG_DEPTH = 32
+"""DeepSpeed's deepest section is 4 levels down; 32 leaves room and keeps json.loads far from recursion limits."""
+
+FLAG_OWNED_KEYS: dict[tuple[str, ...], tuple[tuple[str, ...], str]] = {
+    ("train_micro_batch_size_per_gpu",): (("train", "batch_size"), "--batch-size"),
+    ("zero_optimization", "stage"): (("engine", "zero_stage"), "--zero-stage"),
+    ("optimizer", "params", "lr"): (("train", "lr"), "--lr"),
+}
+"""ds_config keys a flag also sets (file key -> config field, flag). The file's micro batch is per
+rank; --batch-size is global, so it counts as micro batch x world size."""
+
+
+def _depth(value, limit: int) -> int:
+    """Nesting depth of parsed JSON, without recursion (a 200k-deep file must not blow the stack)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            return deepest
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def load_ds_config(path: str) -> dict:
+    """The file's JSON object; bad input (not a regular file, > 1 MiB, not UTF-8, too deep) names the fix."""
+    try:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise UserError(f"{path} is not a regular file; give a DeepSpeed JSON file", flag="--ds-config")
+        if info.st_size > MAX_DS_CONFIG_BYTES:
+            raise UserError(f"{path} is {info.st_size:,} bytes, more than a DeepSpeed config's "
+                            f"{MAX_DS_CONFIG_BYTES:,}; give the right file", flag="--ds-config")
+        with open(path, "rb") as f:
+            raw = f.read(MAX_DS_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise UserError(f"cannot read {path}: {exc.strerror or exc}; give a readable JSON file",
+                        flag="--ds-config") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path} is not UTF-8 text (byte {exc.start}); give a JSON file", flag="--ds-config") from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
+                        "fix the file", flag="--ds-config") from None
+    except RecursionError:
+        value = None
+    if value is None or _depth(value, MAX_DS_CONFIG_DEPTH) > MAX_DS_CONFIG_DEPTH:
+        raise UserError(f"{path} nests deeper than {MAX_DS_CONFIG_DEPTH} levels; a DeepSpeed config is "
+                        "a few levels deep: fix the file", flag="--ds-config")
+    if not isinstance(value, dict):
+        raise UserError(f"{path} must hold a JSON object (a DeepSpeed config), got {type(value).__name__}",
+                        flag="--ds-config")
+    return value
+
+
+
+def file_values(path: str | None, explicit: dict[tuple[str, ...], object], world_size: int) -> dict:
+    """The config fields the file sets (by field path), checked against the flags given."""
+    if path is None:
+        return {}
+    user = load_ds_config(path)
+    values: dict[tuple[str, ...], object] = {}
+    for key, (field, name) in FLAG_OWNED_KEYS.items():
+        _require_objects_along(user, key, path)  # the value's own type is checked by the config
+        value = _get(user, key)
+        if value is None:
+            continue
+        if field == ("train", "batch_size") and isinstance(value, int) and not isinstance(value, bool):
+            value = value * world_size
+        given = explicit.get(field)
+        if given is not None and given != value:
+            raise UserError(f"{path} sets {'.'.join(key)}={_get(user, key)!r} but {name} {given!r} was given; "
+                            "drop one of them", flag="--ds-config")
+        values[field] = value
+    return values
+
+
+def _get(tree: dict, path: tuple[str, ...]):
+    for key in path:
+        if not isinstance(tree, dict) or key not in tree:
+            return None
+        tree = tree[key]
+    return tree
+
+
+def _require_objects_along(tree: dict, path: tuple[str, ...], ds_path: str) -> None:
+    """UserError unless every key above `path`'s leaf that the file has holds a JSON object
+    (moebench writes the leaf: {"optimizer": "Adam"} would leave it nowhere to go)."""
+    for depth, key in enumerate(path[:-1]):
+        if key not in tree:
+            return
+        tree = tree[key]
+        if not isinstance(tree, dict):
+            raise UserError(f"{'.'.join(path[:depth + 1])} in {ds_path} must be a JSON object (holding "
+                            f"{'.'.join(path[depth + 1:])}), got {json.dumps(tree)}; fix the file",
+                            flag="--ds-config")
+
+
+def _set(tree: dict, path: tuple[str, ...], value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _deep_merge(base: dict, override: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def build_ds_config(config: DeepSpeedRunConfig, user: dict | None = None) -> dict:
+    """The DeepSpeed config: moebench's defaults <- the --ds-config file <- the flags."""
+    optimizer = {"type": "Adam", "params": {"lr": config.train.lr, "weight_decay": 0.0, "adam_w_mode": False}}
+    if not config.engine.compiled_ops:
+        optimizer["params"]["torch_adam"] = True  # torch.optim.Adam instead of JIT-built FusedAdam
+    base = {
+        "train_micro_batch_size_per_gpu": config.batch_per_rank,
+        "gradient_accumulation_steps": 1,
+        "optimizer": optimizer,
+        "zero_optimization": {"stage": config.engine.zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": NEVER_PRINT,
+        "wall_clock_breakdown": False,
+    }
+    if user is None:
+        user = load_ds_config(config.engine.ds_config) if config.engine.ds_config else {}
+    user = copy.deepcopy(user)
+    user_optimizer = user.get("optimizer")
+    if isinstance(user_optimizer, dict) and str(user_optimizer.get("type", "Adam")).lower() not in ("adam", "adamw"):
+        base.pop("optimizer")  # another optimizer: Adam's parameters do not apply to it
+    merged = _deep_merge(base, user)
+    _set(merged, ("train_micro_batch_size_per_gpu",), config.batch_per_rank)
+    _set(merged, ("zero_optimization", "stage"), config.engine.zero_stage)
+    _set(merged, ("optimizer", "params", "lr"), config.train.lr)
+    merged.setdefault("optimizer", {}).setdefault("type", "Adam")
+    _check_ds_config(merged, config)
+    _check_half_precision(merged)
+    merged["train_batch_size"] = config.train.batch_size
+    return merged
+
+
+def _check_ds_config(ds: dict, config: DeepSpeedRunConfig) -> None:
+    gas = ds.get("gradient_accumulation_steps", 1)
+    if gas != 1:
+        raise UserError(f"gradient_accumulation_steps={gas!r} is not supported (one optimizer step per "
+                        "batch); remove it and size the step with --batch-size", flag="--ds-config")
+    tbs = ds.get("train_batch_size")
+    if tbs is not None and tbs != config.train.batch_size:
+        raise UserError(f"train_batch_size={tbs!r} conflicts with --batch-size {config.train.batch_size}; "
+                        "remove it (moebench sets it)", flag="--ds-config")
+    if not config.engine.compiled_ops:
+        needs = compiled_op_settings(ds)
+        if needs:
+            raise UserError(f"{'; '.join(needs)} needs a JIT-compiled DeepSpeed op (minutes on first use); "
+                            "add --compiled-ops to allow it, or remove it", flag="--ds-config")
+
+
+def _check_half_precision(ds: dict) -> None:
+    """fp16 / bf16 need DeepSpeed's CUDA accelerator: on CPU, deepspeed.initialize rejects fp16 and
+    the model's LayerNorm fails on bf16 weights - after the run folder exists."""
+    enabled = [key for key in HALF_PRECISION_KEYS if isinstance(ds.get(key), dict) and ds[key].get("enabled") is True]
+    on_cuda = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") == "cuda"
+    if enabled and not on_cuda:
+        raise UserError(f"{enabled[0]}.enabled=true needs a CUDA GPU and DeepSpeed runs on the CPU here "
+                        "(fp32 only); remove it or set it to false", flag="--ds-config")
+
+
+def compiled_op_settings(ds: dict) -> list[str]:
+    """The settings of a DeepSpeed config that would JIT-build an op."""
+    needs = []
+    optimizer = ds.get("optimizer") or {}
+    kind = str(optimizer.get("type", "Adam"))
+    params = optimizer.get("params") or {}
+    if kind.lower() not in NO_COMPILE_OPTIMIZERS and not hasattr(torch.optim, kind):
+        needs.append(f"optimizer.type={kind!r}")
+    if kind.lower() in ("adam", "adamw") and not params.get("torch_adam", False):
+        needs.append("optimizer.params.torch_adam=false (FusedAdam)")
+    offload = _get(ds, ("zero_optimization", "offload_optimizer", "device"))
+    if offload not in (None, "none"):
+        needs.append(f"zero_optimization.offload_optimizer.device={offload!r} (DeepSpeedCPUAdam)")
+    return needs

@@ -1,0 +1,126 @@
+"""One rank of `moebench run deepspeed`: DeepSpeed comm on the rank's group, the shared Transformer
+with DeepSpeed's MoE, `deepspeed.initialize` with the MoE parameter groups split, training on the
+shared random data, and a (batch_size, seq_len, d_model) test batch."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.nn.functional as F
+
+from moebench import config as config_tree
+from moebench.console import stdout_to_stderr
+from moebench.data import Batches, held_out_batch, seed_rank_randomness
+from moebench.distributed.launch import RankContext
+from moebench.train import LoopSpec, rank_writer, train_loop
+from moebench.variants.deepspeed.comm import deepspeed_comm
+from moebench.variants.deepspeed.config import DeepSpeedRunConfig
+from moebench.variants.deepspeed.ds_config import build_ds_config
+from moebench.variants.deepspeed.model import build_model
+from moebench.variants.deepspeed.routing import RoutingTotals, drop_fractions
+
+
+def train_rank(ctx: RankContext, run_path, config_dict: dict, show_progress: bool = True) -> dict:
+    """Train on this rank through DeepSpeed's engine; rank 0 writes params.json and metrics.jsonl."""
+    from moebench.models.deepspeed_moe import create_expert_groups, moe_layers, set_accelerator_env
+    from moebench.models.transformer import count_params
+
+    config = config_tree.build(DeepSpeedRunConfig, config_dict)
+    train = config.train
+    set_accelerator_env(config.launch.device)
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    with stdout_to_stderr():  # DeepSpeed prints on stdout; keep it for moebench's result (--json)
+        import deepspeed
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    timings["import_deepspeed_s"] = time.perf_counter() - start
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its INFO lines would bury the progress bar
+    ds_config = build_ds_config(config)
+    writer = rank_writer(ctx, run_path)
+
+    with stdout_to_stderr(), deepspeed_comm(ctx, compiled_ops=config.engine.compiled_ops,
+                                            timeout_s=config.launch.timeout_s or config.default_timeout_s,
+                                            backend=config.launch.comm_backend) as init_s:
+        import torch.distributed as dist
+
+        timings["init_distributed_s"] = init_s
+        rank, world = dist.get_rank(), dist.get_world_size()
+        used_backend = dist.get_backend()  # what really ran (recorded beside the predicted one)
+        create_expert_groups(config.moe.ep_size)
+        model = build_model(config, ep_rank=rank % config.moe.ep_size)
+        params = count_params(model, ep_size=config.moe.ep_size)
+        if writer:
+            writer.write_json("params.json", {"moe_impl": "deepspeed", **params})
+        groups = split_params_into_different_moe_groups_for_optimizer(
+            {"params": list(model.parameters()), "name": "parameters"})
+        t0 = time.perf_counter()
+        engine, _optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config)
+        timings["deepspeed_initialize_s"] = time.perf_counter() - t0
+        seed_rank_randomness(train.seed, rank)  # gate noise / RTS: distinct per rank
+        device = engine.device
+        layers = moe_layers(model)
+        batches = Batches(train, config.model.d_model, rank=rank, world_size=world)
+        totals = RoutingTotals(config.experts_per_layer)
+
+        def step_fn(step: int) -> dict:
+            x, y = (t.to(device) for t in batches.rank_batch(step))
+            engine.train()
+            out, aux = engine(x)
+            mse = F.mse_loss(out, y)
+            engine.backward(mse + train.aux_loss_coef * aux)
+            engine.step()
+            totals.add(layers)
+            counts = [sum(getattr(layer.last, name) for layer in layers)
+                      for name in ("routes", "dropped", "tokens", "dropped_tokens")]
+            # One small collective per step: the loss of the global batch, not of rank 0's share.
+            stats = torch.tensor([mse.item(), aux.item(), *counts], dtype=torch.float64)
+            if world > 1:
+                dist.all_reduce(stats)
+            mse_avg, aux_avg = stats[0].item() / world, stats[1].item() / world
+            drops = drop_fractions(*stats[2:].tolist())
+            return {"moe_impl": "deepspeed", "loss": mse_avg, "aux_loss": aux_avg,
+                    "total_loss": mse_avg + train.aux_loss_coef * aux_avg,
+                    "dropped_route_frac": drops["dropped_route_frac"],
+                    "dropped_token_frac": drops["dropped_token_frac"]}
+
+        spec = LoopSpec(total_steps=train.total_steps, steps_per_epoch=train.steps_per_epoch,
+                        tokens_per_step=train.tokens_per_step, label="deepspeed-moe")
+        history = train_loop(step_fn, spec, writer=writer, show_progress=show_progress)
+        routing = totals.summary(world)
+
+        engine.eval()
+        x_test, y_test = held_out_batch(train, config.model.d_model)
+        eval_totals = RoutingTotals(config.experts_per_layer)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out, _aux = engine(x_test.to(device))
+            eval_totals.add(layers)
+            test_loss = torch.tensor([F.mse_loss(out, y_test.to(device)).item()], dtype=torch.float64)
+        if world > 1:
+            dist.all_reduce(test_loss)
+        eval_routing = eval_totals.summary(world)
+        timings["test_s"] = time.perf_counter() - t0
+        timings["train_s"] = history["train_time_s"]
+        output_shape = list(out.shape)
+        if writer:
+            writer.close()
+        engine = None  # drop the engine (and its group references) before the comm layer is torn down
+
+    return {
+        "moe_impl": "deepspeed", "world_size": world, "comm_backend": used_backend, "ep_size": config.moe.ep_size,
+        "device": str(device), "experts_per_layer": list(config.experts_per_layer), "params": params, **history,
+        "epoch_total_loss": _epoch_means([h + train.aux_loss_coef * a for h, a in
+                                          zip(history["losses"], history["aux_losses"])], train.steps_per_epoch),
+        "routing": routing,
+        "test": {"input_shape": list(x_test.shape), "output_shape": output_shape,
+                 "loss": test_loss.item() / world, "routing": eval_routing},
+        "timings": {**timings, "rank_total_s": time.perf_counter() - start},
+        "ds_config": ds_config,
+    }
+
+
+def _epoch_means(values: list[float], per_epoch: int) -> list[float]:
+    chunks = [values[i:i + per_epoch] for i in range(0, len(values), per_epoch)]
+    return [sum(c) / len(c) for c in chunks]
