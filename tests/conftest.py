@@ -14,6 +14,8 @@ def _private_results(tmp_path, monkeypatch):
     # A test process must never look like one rank of a torchrun job.
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
+    # A run sets DS_ACCELERATOR for DeepSpeed (from its device); a test faking CUDA must not leak it.
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
     yield
 
 

@@ -54,7 +54,7 @@ BAD_INPUTS = [
     (["--noisy-gate-policy", "Gaussian"], "--noisy-gate-policy", "Gaussian"),
     (["--zero-stage", "4"], "--zero-stage", "unknown ZeRO stage 4"),
     (["--zero-stage", "-1"], "--zero-stage", "unknown ZeRO stage -1"),
-    (["--comm-backend", "nccl"], "--comm-backend", "nccl on 1 local rank(s) needs --device cuda"),
+    (["--comm-backend", "nccl"], "--comm-backend", "nccl on 1 local rank(s) needs CUDA GPUs"),
     (["--comm-backend", "nccl", "--world-size", "2"], "--comm-backend", "use --comm-backend gloo or auto"),
     (["--ds-config", ""], "--ds-config", "is empty"),
     (["--train-batches", "2"], "--train-batches", "No such option"),
