@@ -300,7 +300,10 @@ def _child_main(fn, args, rank, world_size, backend, pg_timeout_s, workdir, env)
     stack_file = open(Path(workdir) / f"stacks{rank}.txt", "w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)  # the deadline's dump
     faulthandler.enable(file=stack_file, all_threads=True)  # a fatal signal's dump (SIGABRT, SIGSEGV)
-    torch.set_num_threads(rank_threads(world_size))
+    # One intra-op thread in a forked rank: OpenMP's pool does not survive a fork once the parent
+    # (a pytest process, the CLI after an in-process run) has started it; the child would hang in
+    # its first matmul. Ranks an external launcher starts are fresh processes: see rank_threads.
+    torch.set_num_threads(1)
     device = "cpu"
     try:
         if backend == "nccl":
