@@ -41,6 +41,9 @@ STATUS_RUNNING = "running"
 STATUS_OK = "ok"
 STATUS_FAILED = "failed"
 STATUS_INTERRUPTED = "interrupted"
+STATUS_ABANDONED = "abandoned"
+"""A run whose writer died without recording an end (SIGKILL, power loss): it said "running", and
+its pid on its host is gone (or is another, younger process)."""
 
 
 def results_root(root: str | os.PathLike | None = None) -> Path:
@@ -128,7 +131,11 @@ class RunDir:
     @classmethod
     def create(cls, kind: str, name: str = "", root: str | os.PathLike | None = None,
                run_id: str | None = None) -> "RunDir":
+        from moebench import signals
+
         check_root(root, kind)
+        signals.check()  # a Ctrl-C swallowed on the way here: nothing is created
+        mark_abandoned(results_root(root) / kind)
         path = results_root(root) / kind / (run_id or new_run_id(name))
         try:
             path.mkdir(parents=True, exist_ok=False)
@@ -179,6 +186,54 @@ class RunDir:
         document = {**self._envelope(status), **summary}
         self.write_json("summary.json", document)
         return {"schema": SCHEMAS["summary.json"], **document}
+
+
+def writer_gone(summary: dict) -> bool:
+    """True when a "running" summary's writer (pid, host) is no longer alive on this host."""
+    import psutil
+
+    if summary.get("status") != STATUS_RUNNING or summary.get("host") != socket.gethostname():
+        return False
+    pid = summary.get("pid")
+    if not isinstance(pid, int):
+        return False
+    try:
+        started = datetime.datetime.fromisoformat(summary["started_at"]).timestamp()
+        # A pid reused by a process started after the run is not the writer.
+        return psutil.Process(pid).create_time() > started + 1.0
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return True
+    except (KeyError, ValueError, TypeError):
+        return not psutil.pid_exists(pid)
+
+
+def status_of(run_path: Path) -> str:
+    """A run folder's status as a reader should see it (running -> abandoned when its writer died)."""
+    try:
+        summary = read_json(run_path / "summary.json")
+    except (OSError, ValueError):
+        return "unreadable"
+    return STATUS_ABANDONED if writer_gone(summary) else summary.get("status", "unknown")
+
+
+def mark_abandoned(kind_dir: Path) -> list[Path]:
+    """Rewrite the summary of every run under results/<kind>/ whose writer died while it said
+    "running", to "abandoned" with the reason. Returns the runs marked."""
+    marked = []
+    if not kind_dir.is_dir():
+        return marked
+    for run in kind_dir.iterdir():
+        path = run / "summary.json"
+        try:
+            summary = read_json(path)
+            if writer_gone(summary):
+                error = (f"the writer (pid {summary['pid']} on {summary['host']}) ended without recording how "
+                         "the run ended (killed with SIGKILL, or the machine went down)")
+                write_json_atomic(path, {**summary, "status": STATUS_ABANDONED, "error": error})
+                marked.append(run)
+        except (OSError, ValueError, KeyError):
+            continue  # unreadable or read-only: `status_of` still reports it
+    return marked
 
 
 def latest_runs(kind: str, root: str | os.PathLike | None = None) -> Iterable[Path]:

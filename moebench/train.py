@@ -15,6 +15,7 @@ Only the writer (the parent, or rank 0 under torchrun) touches results/.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -187,13 +188,15 @@ def execute_run(
     """
     writer = not under_torchrun() or int(os.environ["RANK"]) == 0
     with sigterm_as_interrupt():  # SIGTERM is recorded like Ctrl-C: "interrupted", ranks killed
-        run = results.RunDir.create(kind, name, results_root) if writer else None
+        with signals_deferred():  # a signal now lands after the folder says "running", in the try below
+            run = results.RunDir.create(kind, name, results_root) if writer else None
+            if run is not None:
+                run.start()
         run_path = run.path if run else None
         try:
             if run is not None:
                 run.write_json("config.json", {"kind": kind, **config})
                 run.write_json("env.json", (env_summary or _default_env_summary)())
-                run.start()
             in_process = world_size == 1 if in_process is None else in_process
             rank_summary = _run_ranks(rank_fn, world_size, run_path, rank_args, backend, timeout_s, kind,
                                       in_process)
@@ -202,16 +205,44 @@ def execute_run(
                 _plot(run, title=f"{kind} ({summary.get('moe_impl', kind)})  {run.run_id}")
                 final = run.finish(results.STATUS_OK, summary)
         except KeyboardInterrupt:
-            if run is not None:
-                run.finish(results.STATUS_INTERRUPTED, {"error": "interrupted (Ctrl-C or SIGTERM)"})
+            _record_end(run, results.STATUS_INTERRUPTED, "interrupted (Ctrl-C or SIGTERM)")
             raise
         except BaseException as exc:
-            if run is not None:
-                run.finish(results.STATUS_FAILED, {"error": f"{type(exc).__name__}: {exc}"})
-            if isinstance(exc, RunFailed):
+            error = f"{type(exc).__name__}: {exc}"
+            unwritten = _record_end(run, results.STATUS_FAILED, error)
+            if isinstance(exc, RunFailed) and not unwritten:
                 raise
-            raise RunFailed(f"{type(exc).__name__}: {exc}", run_path) from exc
+            raise RunFailed(error + (f"; {unwritten}" if unwritten else ""), run_path) from exc
     return RunOutcome(run_path=run_path, summary=final if run is not None else summary)
+
+
+def _record_end(run: results.RunDir | None, status: str, error: str) -> str:
+    """Write the final status, as well as can be: "" when written, else why not (a read-only or
+    full disk must not turn the failure into a traceback; a later command reports the run as
+    abandoned from its pid)."""
+    if run is None:
+        return ""
+    try:
+        run.finish(status, {"error": error})
+    except OSError as exc:
+        return f"could not record status {status!r} in {run.path / 'summary.json'}: {exc.strerror or exc}"
+    return ""
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """Hold SIGINT / SIGTERM for the few lines inside (main thread): they are delivered on exit."""
+    import signal
+
+    try:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    except (AttributeError, ValueError, OSError):  # no pthread_sigmask on this platform
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _run_ranks(rank_fn, world_size, run_path, rank_args, backend, timeout_s, kind, in_process) -> dict:

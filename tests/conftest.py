@@ -16,6 +16,9 @@ def _private_results(tmp_path, monkeypatch):
         monkeypatch.delenv(var, raising=False)
     # A run sets DS_ACCELERATOR for DeepSpeed (from its device); a test faking CUDA must not leak it.
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    from moebench import signals
+
+    signals.reset()  # a signal one test sent must not interrupt the next
     yield
 
 

@@ -10,7 +10,7 @@ import typer
 from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
 from typer.core import TyperGroup
 
-from moebench import __version__
+from moebench import __version__, signals
 from moebench.errors import RunFailed, UserError
 
 
@@ -39,6 +39,8 @@ class _Group(TyperGroup):
             code = exc.exit_code
         except typer.Abort:
             typer.echo("interrupted", err=True)
+            code = 130
+        if signals.received() is not None:  # never a swallowed Ctrl-C / SIGTERM
             code = 130
         if standalone_mode:
             sys.exit(code)
@@ -94,15 +96,13 @@ def _root(
 
 
 def _compose() -> None:
-    from moebench.cli import envcheck, parity, run
+    from moebench.cli import envcheck, parity, run, runs
 
     app.add_typer(envcheck.app)  # a Typer with one command: merged, so `env-check` is a leaf command
     app.add_typer(run.app, name="run")
     app.add_typer(parity.app)
+    app.add_typer(runs.app)
 
 
 _compose()
 
-
-def main() -> None:
-    app()

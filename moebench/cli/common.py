@@ -18,6 +18,8 @@ def echo_failure_json(exc: RunFailed) -> None:
         summary = results.read_json(Path(exc.run_path) / "summary.json")
     except (OSError, ValueError):  # died before summary.json was written
         summary = {"status": "failed", "error": str(exc), "run_path": str(exc.run_path)}
+    if summary.get("status") == results.STATUS_RUNNING:  # the end could not be written (read-only)
+        summary = {**summary, "status": "failed", "error": str(exc)}
     typer.echo(json.dumps(results.to_jsonable(summary)))
 
 

@@ -39,20 +39,23 @@ def _command(variant: variants.Variant):
             help=f"experiments/{variant.name}/<NAME>.json: {presets}. Flags override it.")),
         flags._param("show_config", bool, typer.Option(
             False, "--show-config", help="Print the resolved config (flags over preset) as JSON and exit.")),
+        flags._param("force", bool, typer.Option(
+            False, "--force", help="Run even when the memory estimate exceeds the available memory.")),
         flags._param("results_dir", str | None, flags.shared_option("results_dir")),
         flags._param("as_json", bool, flags.shared_option("as_json")),
     ]
 
-    def command(preset, show_config, results_dir, as_json, **values) -> None:
-        run_variant_command(variant, preset, to_overrides(values), show_config=show_config,
+    def command(preset, show_config, force, results_dir, as_json, **values) -> None:
+        run_variant_command(variant, preset, to_overrides(values), show_config=show_config, force=force,
                             results_dir=results_dir, as_json=as_json)
 
     command.__doc__ = variant.description
     return flags.with_signature(command, common[:1] + params + common[1:])
 
 
-def run_variant_command(variant, preset, overrides, *, show_config: bool, results_dir, as_json: bool) -> None:
-    from moebench import results, train
+def run_variant_command(variant, preset, overrides, *, show_config: bool, force: bool, results_dir,
+                        as_json: bool) -> None:
+    from moebench import resources, results, train
     from moebench.distributed.env import is_printer
 
     results.check_root(results_dir, variant.name)
@@ -61,6 +64,7 @@ def run_variant_command(variant, preset, overrides, *, show_config: bool, result
         if is_printer():
             typer.echo(json.dumps(config_tree.as_dict(config), indent=2))
         return
+    resources.require_fits(config, force=force)
     if is_printer() and not as_json:
         typer.echo(variant.headline(config), err=True)
     run_and_report(lambda: train.run_variant(variant, config, results_root=results_dir, show_progress=not as_json),

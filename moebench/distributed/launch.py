@@ -35,7 +35,6 @@ import pickle
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -45,9 +44,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from moebench import tempdirs
 from moebench.distributed.env import debug, local_world_size, rank_threads
 from moebench.distributed.env import is_launched_rank as under_torchrun
 from moebench.errors import UserError
+from moebench.signals import sigterm_as_interrupt  # noqa: F401 - the run driver and parity use it from here
 
 # After one rank fails, the others get this long to finish or fail on their own (their collective
 # with the dead rank errors out in gloo quickly) before their stacks are dumped and they are killed.
@@ -212,7 +213,7 @@ def _launch_local(fn, args, world_size, backend, timeout_s, label, env, method) 
     # object (a destroyed process group still in a reference cycle) would wait forever on threads
     # that did not survive the fork.
     gc.collect()
-    workdir = Path(tempfile.mkdtemp(prefix="moebench-launch-"))
+    workdir = tempdirs.make("launch")
     stack = contextlib.ExitStack()
     procs: list[mp.process.BaseProcess] = []
     status = "ok"
@@ -281,6 +282,9 @@ def _launch_local(fn, args, world_size, backend, timeout_s, label, env, method) 
 def _child_main(fn, args, rank, world_size, backend, pg_timeout_s, workdir, env) -> None:
     # Objects inherited through fork are never garbage-collected here (see gc.collect above).
     gc.freeze()
+    # A process group of its own: a deadline, failure or interrupt kills the rank with everything
+    # it started (grandchildren included), not the rank alone.
+    os.setpgid(0, 0)
     _die_with_parent()
     # Only the parent handles Ctrl-C; it kills the ranks. Ranks printing KeyboardInterrupt
     # tracebacks of their own would bury the one line that matters.
@@ -401,6 +405,9 @@ def _dump_and_kill(procs: list) -> None:
 
 def _kill_all(procs: list) -> None:
     for p in procs:
+        if p.pid is not None:  # the whole group, even when the rank itself has exited: its children
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
         if p.exitcode is None:
             _signal(p, signal.SIGKILL)
     for p in procs:
@@ -413,25 +420,6 @@ def _signal(p, sig) -> None:
             os.kill(p.pid, sig)
     except ProcessLookupError:
         pass
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt():
-    """Inside, SIGTERM behaves like Ctrl-C (KeyboardInterrupt), so the same clean-up runs: ranks
-    killed, the run's files saying "interrupted". Outside the main thread it changes nothing."""
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # signals can only be set from the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 # --------------------------------------------------------------------------- torchrun

@@ -13,9 +13,9 @@ import contextlib
 import datetime
 import os
 import shutil
-import tempfile
 import time
 
+from moebench import tempdirs
 from moebench.distributed.launch import PG_TIMEOUT_FRACTION, RankContext
 
 SHM_COMM_OP = "deepspeed_shm_comm"
@@ -45,7 +45,7 @@ def deepspeed_comm(ctx: RankContext, *, compiled_ops: bool, timeout_s: float, ba
         if own_group:
             from deepspeed.accelerator import get_accelerator
 
-            store_dir = tempfile.mkdtemp(prefix="moebench-ds-store-")
+            store_dir = str(tempdirs.make("ds-store"))
             backend = backend or ("nccl" if get_accelerator().device_name() == "cuda" else "gloo")
             timeout = datetime.timedelta(seconds=max(1.0, timeout_s * PG_TIMEOUT_FRACTION))
             dist.init_process_group(backend, store=dist.FileStore(os.path.join(store_dir, "store"), 1),

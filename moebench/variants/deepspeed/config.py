@@ -172,6 +172,11 @@ class DeepSpeedRunConfig:
         return sum(4 * d * d + (e + self.moe.use_residual) * 2 * d * h + d * e for e in self.experts_per_layer)
 
     @property
+    def expert_weights(self) -> int:
+        """The experts' share of `weights` (split over ep_size ranks; the rest is on every rank)."""
+        return sum(e * 2 * self.model.d_model * self.moe.d_hidden for e in self.experts_per_layer)
+
+    @property
     def default_timeout_s(self) -> float:
         work = self.train.total_steps * self.weights * DEADLINE_S_PER_WEIGHT_STEP
         return max(HANG_DEADLINE_FLOOR_S, float(math.ceil(work)))

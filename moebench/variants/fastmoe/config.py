@@ -79,6 +79,11 @@ class FastMoERunConfig:
         return self.model.layers * (4 * d * d + e * 2 * d * h + d * e)
 
     @property
+    def expert_weights(self) -> int:
+        """The experts' share of `weights` (split over the ranks; the rest is on every rank)."""
+        return self.model.layers * self.moe.experts * 2 * self.model.d_model * self.moe.d_hidden
+
+    @property
     def default_timeout_s(self) -> float:
         """The hang deadline of a multi-rank run unless --timeout gives one."""
         work = self.train.total_steps * self.weights * DEADLINE_S_PER_WEIGHT_STEP

@@ -18,7 +18,7 @@ from moebench.parity.runner import ParityConfig, run_checks
 
 pytestmark = pytest.mark.multirank
 
-TESTS_DIR = Path(__file__).parent
+TESTS_DIR = Path(__file__).parents[1]  # tests/: parity_broken and helpers
 MOEBENCH = [sys.executable, "-m", "moebench"]
 
 

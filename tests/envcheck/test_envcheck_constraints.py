@@ -13,7 +13,7 @@ from moebench.envcheck import constraints
 from moebench.envcheck.check import OK, PLATFORM, SKIP, WARN
 from moebench.envcheck.constraints import RUNTIME, TRANSITIVE, canonical_name, judge, parse_constraints
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "moebench" / "constraints.txt"
 
 

@@ -162,7 +162,7 @@ def test_validation_never_imports_deepspeed():
             "variants.resolve_config(variants.by_name('deepspeed'), 'chapter', {('moe', 'experts'): '4,8'})\n"
             "print('deepspeed' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).parent)
+                         cwd=Path(__file__).parents[1])
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["--zero-stage", "False"]
 
