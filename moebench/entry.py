@@ -12,13 +12,19 @@ def main() -> None:
     from moebench import signals
 
     signals.install()
+    code: int | str | None = 0
     try:
         from moebench import tempdirs
 
-        tempdirs.sweep()  # what killed moebench processes left in <tmp>/moebench/
+        tempdirs.sweep()  # what killed moebench processes left in <tmp>/moebench-tmp/
         from moebench.cli.app import app
 
         app()
+    except SystemExit as exc:
+        code = exc.code
     except KeyboardInterrupt:  # before the CLI's own handling existed (start-up imports)
         print("interrupted", file=sys.stderr)
-        sys.exit(130)
+        code = 130
+    finally:
+        signals.ignore()  # on the way out: a late signal must not kill the interpreter's shutdown
+    sys.exit(130 if signals.received() is not None else code)

@@ -13,13 +13,14 @@ import contextlib
 import signal
 
 _received: int | None = None
+_ignoring = False
 
 
 def on_signal(signum, frame) -> None:
     global _received
     first = _received is None
     _received = signum
-    if first:
+    if first and not _ignoring:
         raise KeyboardInterrupt(f"signal {signum}")
 
 
@@ -28,6 +29,17 @@ def install() -> None:
     with contextlib.suppress(ValueError):
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
+
+
+def ignore() -> None:
+    """The command is exiting, its work done and its files written: from now on SIGINT and SIGTERM
+    are ignored. (The interpreter's shutdown resets Python-level handlers to the default, which
+    would let a signal in its last milliseconds kill the process; SIG_IGN is left in place.)"""
+    global _ignoring
+    _ignoring = True
+    with contextlib.suppress(ValueError, OSError):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def received() -> int | None:
@@ -43,8 +55,8 @@ def check() -> None:
 
 def reset() -> None:
     """Forget a received signal (tests that run several commands in one process)."""
-    global _received
-    _received = None
+    global _received, _ignoring
+    _received, _ignoring = None, False
 
 
 @contextlib.contextmanager

@@ -1,5 +1,5 @@
 """moebench's temporary folders, all under one known prefix, so a later command can remove what a
-killed process (SIGKILL, power loss) left behind: <tmp>/moebench/<pid>-<label>-<random>/."""
+killed process (SIGKILL, power loss) left behind: <tmp>/moebench-tmp/<pid>-<label>-<random>/."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 def root() -> Path:
-    return Path(tempfile.gettempdir()) / "moebench"
+    return Path(tempfile.gettempdir()) / "moebench-tmp"  # not an importable name: never shadows the package
 
 
 def make(label: str) -> Path:

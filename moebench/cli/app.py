@@ -57,8 +57,8 @@ class _Group(TyperGroup):
             typer.echo(f"run failed: {exc}{where}", err=True)
             raise typer.Exit(code=exc.exit_code) from None
         except KeyboardInterrupt:
-            typer.echo("interrupted (Ctrl-C or SIGTERM): every rank was stopped; the run's "
-                       "summary.json says \"interrupted\"", err=True)
+            typer.echo("interrupted (Ctrl-C or SIGTERM): every rank was stopped; a run that had started "
+                       "says \"interrupted\" in its summary.json", err=True)
             raise typer.Exit(code=130) from None
 
 

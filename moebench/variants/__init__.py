@@ -58,7 +58,7 @@ def resolve_config(variant: Variant, preset: str | None, overrides: dict[tuple[s
     explicit = {path: value for path, value in overrides.items() if value is not None}
     if is_launched_rank():
         explicit[("launch", "world_size")] = launched_world_size()
-    preset = preset or variant.default_preset
+    preset = variant.default_preset if preset is None else preset  # "" is bad input, not the default
     config = config_tree.resolve(variant.config_cls, variant.name, preset, explicit)
     from_files = variant.file_values(explicit, config)
     if from_files:
