@@ -99,6 +99,9 @@ DS_CONFIGS = [
     ('{"train_micro_batch_size_per_gpu": 2.5}', [], "must be a positive integer, got 2.5"),
     ('{"train_micro_batch_size_per_gpu": 4}', ["--batch-size", "16"], "drop one of them"),
     (b"\xff\xfe{}", [], "not UTF-8"),
+    ('{"optimizer": {"type": "Frobnicate"}}', [], "neither a DeepSpeed optimizer nor a torch.optim class"),
+    ('{"scheduler": {"type": "Cosine"}}', [], "scheduler.type='Cosine' is not one of DeepSpeed's"),
+    ('{"scheduler": 5}', [], "scheduler.type=None"),
     ("[" * 5000 + "]" * 5000, [], "nests deeper than"),
     # half precision on the CPU engine fails inside deepspeed.initialize, after the folder exists
     ('{"fp16": {"enabled": true}}', [], "fp16.enabled=true needs a CUDA GPU"),

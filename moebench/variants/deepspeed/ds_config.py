@@ -22,6 +22,11 @@ NO_COMPILE_OPTIMIZERS = ("adam", "adamw", "adagrad")
 """ds_config optimizer types that run without a compiled op (plus any torch.optim class name)."""
 HALF_PRECISION_KEYS = ("fp16", "bf16", "bfloat16")
 """ds_config sections that switch DeepSpeed to half precision ("bfloat16" is bf16's old name)."""
+DEEPSPEED_OPTIMIZERS = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd", "lion", "muon",
+                        "onebitadam", "zerooneadam", "onebitlamb")
+"""optimizer.type values DeepSpeed 0.19 knows (deepspeed.runtime.config; any case), besides torch.optim names."""
+DEEPSPEED_SCHEDULERS = ("LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+"""scheduler.type values DeepSpeed 0.19 knows (deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES)."""
 NEVER_PRINT = 2**31 - 1
 """steps_per_print: moebench prints its own progress."""
 MAX_DS_CONFIG_BYTES = 1024 * 1024
@@ -176,6 +181,19 @@ def build_ds_config(config: DeepSpeedRunConfig, user: dict | None = None) -> dic
 
 
 def _check_ds_config(ds: dict, config: DeepSpeedRunConfig) -> None:
+    optimizer = ds.get("optimizer") or {}
+    kind = str(optimizer.get("type", "Adam")) if isinstance(optimizer, dict) else "?"
+    if kind.lower() not in DEEPSPEED_OPTIMIZERS and not hasattr(torch.optim, kind):
+        raise UserError(f"optimizer.type={kind!r} is neither a DeepSpeed optimizer nor a torch.optim class; use "
+                        "Adam or AdamW (no compile), a torch.optim name such as SGD, or one of DeepSpeed's: "
+                        f"{', '.join(DEEPSPEED_OPTIMIZERS)}", flag="--ds-config")
+    scheduler = ds.get("scheduler")
+    if scheduler is not None:
+        stype = scheduler.get("type") if isinstance(scheduler, dict) else None
+        if stype not in DEEPSPEED_SCHEDULERS:
+            raise UserError(f"scheduler.type={stype!r} is not one of DeepSpeed's schedulers "
+                            f"({', '.join(DEEPSPEED_SCHEDULERS)}); fix it or remove the scheduler",
+                            flag="--ds-config")
     gas = ds.get("gradient_accumulation_steps", 1)
     if gas != 1:
         raise UserError(f"gradient_accumulation_steps={gas!r} is not supported (one optimizer step per "
