@@ -124,7 +124,7 @@ def verify_parity(
         raise UserError("names no check; give check names (see --list) or leave the flag out", flag="--checks")
     config = ParityConfig(world_size=world_size, checks=names, timeout_s=timeout,
                           comm_backend=backend_old or comm_backend,
-                          tolerance=tolerance, impls=parse_impls(impl), debug_collectives=debug_collectives,
+                          tolerance=tolerance, impls=parse_impls(impl, timeout_s=timeout), debug_collectives=debug_collectives,
                           seed=seed)
 
     def progress(record) -> None:

@@ -157,23 +157,61 @@ def select(names: list[str] | None) -> list[Check]:
     return [c for c in checks if c.name in names]
 
 
-def parse_impls(specs: list[str]) -> dict[str, str]:
-    """--impl key=package.module:attr, validated (it must import) before anything runs."""
+IMPL_IMPORT_TIMEOUT_S = 60.0
+"""How long a --impl module may take to import in the probe (torch alone takes ~2 s here)."""
+
+
+def parse_impls(specs: list[str], timeout_s: float = IMPL_IMPORT_TIMEOUT_S) -> dict[str, str]:
+    """--impl key=package.module:attr, validated (it must import, in a child process bounded by
+    `timeout_s`) before anything runs."""
     impls: dict[str, str] = {}
     for spec in specs:
         key, sep, target = spec.partition("=")
         if not sep or key not in IMPL_CONTRACTS or ":" not in target:
             raise UserError(f"expected KEY=package.module:attribute with KEY in {', '.join(IMPL_CONTRACTS)}, "
                             f"got {spec!r}", flag="--impl")
-        try:
-            load_impl(target)
-        except Exception as exc:  # noqa: BLE001 - any import failure is the user's input
-            raise UserError(f"{target!r} does not import: {type(exc).__name__}: {exc}", flag="--impl") from None
+        problem = import_problem(target, timeout_s)
+        if problem:
+            raise UserError(f"{target!r} {problem}", flag="--impl")
         if key in impls:  # one implementation per key: the last one would silently win
             raise UserError(f"{key} is given twice ({impls[key]!r} and {target!r}); give each key once",
                             flag="--impl")
         impls[key] = target
     return impls
+
+
+def import_problem(target: str, timeout_s: float) -> str:
+    """Import `target` in a forked child, never here: what went wrong ("" when it imports). A module
+    that raises, calls sys.exit / os._exit or hangs at import cannot take the command with it."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    reader, writer = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_import_child, args=(target, writer), daemon=True)
+    child.start()
+    writer.close()
+    child.join(timeout_s)
+    if child.is_alive():
+        child.kill()
+        child.join(5)
+        return f"did not finish importing within {timeout_s:g} s (a hang at import?)"
+    try:
+        message = reader.recv() if reader.poll() else None
+    except EOFError:  # the child closed the pipe without a word: it died
+        message = None
+    if message is None:
+        return f"ended the importing process with exit code {child.exitcode} (os._exit or a crash at import)"
+    return message
+
+
+def _import_child(target: str, writer) -> None:
+    try:
+        load_impl(target)
+        writer.send("")
+    except SystemExit as exc:
+        writer.send(f"called sys.exit({exc.code!r}) while importing")
+    except BaseException as exc:  # noqa: BLE001 - whatever the import does is the user's input
+        writer.send(f"does not import: {type(exc).__name__}: {exc}")
 
 
 def load_impl(target: str) -> Any:

@@ -116,3 +116,25 @@ def test_a_run_folder_that_cannot_be_written_at_the_end_is_one_line_and_exit_1(t
     assert result.exit_code == 1 and len(lines) == 1, result.output
     assert "Permission denied" in lines[0] and "could not record status 'failed'" in lines[0]
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("body,words", [
+    ("import sys\nsys.exit(7)\n", "called sys.exit(7) while importing"),
+    ("import os\nos._exit(4)\n", "exit code 4"),
+    ("import time\ntime.sleep(600)\n", "did not finish importing within 3 s"),
+    ("raise ValueError('broken module')\n", "ValueError: broken module"),
+])
+def test_an_impl_that_exits_raises_or_hangs_at_import_is_one_line(tmp_path, monkeypatch, body, words):
+    from typer.testing import CliRunner
+
+    from moebench.cli.app import app
+
+    (tmp_path / "user_impl.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    start = time.monotonic()
+    result = CliRunner().invoke(app, ["verify-parity", "-n", "2", "--timeout", "3", "--impl",
+                                      "experts=user_impl:Experts", "--results-dir", str(tmp_path / "r")])
+    assert time.monotonic() - start < 30  # bounded by --timeout, not by the module
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1 and "--impl" in lines[0] and words in lines[0], result.output
+    assert not (tmp_path / "r").exists()
