@@ -35,8 +35,11 @@ def env_check(
     if as_json and report:
         raise UserError("cannot be combined with --json (pick one output)", flag="--report")
     from moebench import results
+    from moebench.distributed.env import is_printer
 
     results.check_root(results_dir, "env")
+    if not is_printer():  # under torchrun: rank 0 probes, prints and saves; the others stay quiet
+        raise typer.Exit(0)
     root = results.results_root(results_dir)
 
     from moebench.envcheck import render, run_all
