@@ -226,3 +226,13 @@ def test_chapter_preset_runs_on_cpu(tmp_path):
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert round(summary["params"]["by_category"]["moe"] / 1e6, 1) == 268.6
     assert summary["loss"]["last"] < summary["loss"]["first"]
+
+
+def test_torch_free_config_names_match_the_models():
+    """The config keeps torch-free copies of the gate and implementation names (fast --help)."""
+    from moebench.models import moe
+    from moebench.models.moe import gates
+    from moebench.variants.fastmoe import config
+
+    assert config.GATE_NAMES == tuple(gates.GATES) and config.FIXED_TOP_K == gates.FIXED_TOP_K
+    assert config.MOE_IMPLS == moe.MOE_IMPLS

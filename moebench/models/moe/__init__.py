@@ -1,6 +1,6 @@
 """fastmoe-style MoE MLPs: the `reference` port (any device) and the real `fmoe` (CUDA).
 
-`build_moe_mlp(...)` is the one entry point; `resolve_backend("auto", ...)` picks fmoe where it
+`build_moe_mlp(...)` is the one entry point; `resolve_moe_impl("auto", ...)` picks fmoe where it
 can run and the reference port elsewhere.
 """
 
@@ -13,13 +13,13 @@ from moebench.models.moe import fmoe_adapter
 from moebench.models.moe.gates import GATES
 from moebench.models.moe.layer import FMoEReference
 
-BACKENDS = ("auto", "fmoe", "reference")
+MOE_IMPLS = ("auto", "fmoe", "reference")
 
 
-def resolve_backend(requested: str, *, device: str, world_size: int = 1) -> str:
+def resolve_moe_impl(requested: str, *, device: str, world_size: int = 1) -> str:
     """"auto" -> "fmoe" when usable here, else "reference"; "fmoe" where unusable -> UserError."""
-    if requested not in BACKENDS:
-        raise UserError(f"unknown implementation {requested!r}; use one of {', '.join(BACKENDS)}", flag="--moe-impl")
+    if requested not in MOE_IMPLS:
+        raise UserError(f"unknown implementation {requested!r}; use one of {', '.join(MOE_IMPLS)}", flag="--moe-impl")
     reason = fmoe_adapter.unusable_reason(device=device, world_size=world_size)
     if requested == "fmoe" and reason is not None:
         raise UserError(f"fmoe cannot run here: {reason}; use --moe-impl reference", flag="--moe-impl")
@@ -42,4 +42,4 @@ def build_moe_mlp(*, backend: str, experts: int, d_model: int, d_hidden: int, to
                          return_aux=True)
 
 
-__all__ = ["BACKENDS", "FMoEReference", "GATES", "build_moe_mlp", "resolve_backend"]
+__all__ = ["MOE_IMPLS", "FMoEReference", "GATES", "build_moe_mlp", "resolve_moe_impl"]

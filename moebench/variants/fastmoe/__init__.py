@@ -25,11 +25,11 @@ class FastMoEVariant:
 
     def prepare(self, config: FastMoERunConfig) -> FastMoERunConfig:
         from moebench.distributed.launch import resolve_placement
-        from moebench.models.moe import resolve_backend
+        from moebench.models.moe import resolve_moe_impl
 
         launch = config.launch
         device, comm = resolve_placement(launch.world_size, launch.device, launch.comm_backend)
-        impl = resolve_backend(config.moe.moe_impl, device=device, world_size=launch.world_size)
+        impl = resolve_moe_impl(config.moe.moe_impl, device=device, world_size=launch.world_size)
         return dataclasses.replace(config, moe=dataclasses.replace(config.moe, moe_impl=impl),
                                    launch=dataclasses.replace(launch, device=device, comm_backend=comm))
 
