@@ -20,10 +20,16 @@ REPORT_FILE = "envcheck.json"
 def env_check(
     as_json: bool = flags.shared_option("as_json"),
     no_probe: bool = typer.Option(False, "--no-probe", help="Skip the live collective probe (2 local ranks)."),
-    probe_timeout: float = typer.Option(30.0, "--probe-timeout", metavar="SECONDS",
-                                        help="Deadline of the collective probe; a probe still running then is reported as hung."),
+    probe_timeout: float = typer.Option(
+        30.0,
+        "--probe-timeout",
+        metavar="SECONDS",
+        help="Deadline of the collective probe; a probe still running then is reported as hung.",
+    ),
     strict: bool = typer.Option(False, "--strict", help="Exit 1 on warnings too, not only on failures."),
-    report: bool = typer.Option(False, "--report", help="Print a plain block to paste into a bug report instead of the table."),
+    report: bool = typer.Option(
+        False, "--report", help="Print a plain block to paste into a bug report instead of the table."
+    ),
     results_dir: Optional[str] = flags.shared_option("results_dir"),
 ) -> None:
     """Probe torch / CUDA / NCCL / gloo / DeepSpeed / fastmoe: per item ok / warn / fail / skip and the fix.
@@ -31,7 +37,9 @@ def env_check(
     Exit code 0 when nothing failed, 1 when something failed (--strict: or warned), 2 on bad flags.
     """
     if not 0 < probe_timeout <= MAX_PROBE_TIMEOUT_S:
-        raise UserError(f"must be in (0, {MAX_PROBE_TIMEOUT_S:.0f}] seconds, got {probe_timeout:g}", flag="--probe-timeout")
+        raise UserError(
+            f"must be in (0, {MAX_PROBE_TIMEOUT_S:.0f}] seconds, got {probe_timeout:g}", flag="--probe-timeout"
+        )
     if as_json and report:
         raise UserError("cannot be combined with --json (pick one output)", flag="--report")
     from moebench import results

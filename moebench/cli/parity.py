@@ -60,8 +60,11 @@ def _print_table(summary: dict) -> None:
     from rich.table import Table
 
     console = _console()
-    table = Table(box=box.SIMPLE_HEAD, title=f"verify-parity: {summary['world_size']} rank(s), {summary['comm_backend']}, "
-                        f"tolerance {summary['tolerance']}")
+    table = Table(
+        box=box.SIMPLE_HEAD,
+        title=f"verify-parity: {summary['world_size']} rank(s), {summary['comm_backend']}, "
+        f"tolerance {summary['tolerance']}",
+    )
     table.add_column("check", no_wrap=True)
     for col in ("result", "max abs", "max rel", "rtol/atol", "magnitude", "vacuous", "time"):
         table.add_column(col)
@@ -90,19 +93,29 @@ def _print_table(summary: dict) -> None:
 @app.command("verify-parity")
 def verify_parity(
     world_size: int = flags.shared_option("world_size", 4),
-    checks: Optional[str] = typer.Option(None, "--checks", metavar="NAMES",
-                                         help="Comma-separated check names (default: all; see --list)."),
+    checks: Optional[str] = typer.Option(
+        None, "--checks", metavar="NAMES", help="Comma-separated check names (default: all; see --list)."
+    ),
     list_checks: bool = flags.shared_option("list_names"),
     timeout: float = flags.shared_option("timeout_s", 120.0),
     comm_backend: flags.annotation(flags.SHARED_FIELDS["comm_backend"]) = flags.shared_option("comm_backend", "auto"),
     backend_old: flags.annotation(flags.SHARED_FIELDS["comm_backend"]) = typer.Option(
-        None, "--backend", hidden=True, case_sensitive=False, help="Old spelling of --comm-backend."),
-    tolerance: str = typer.Option("strict", "--tolerance", help="strict (relative to magnitude) or seed (the seeds' own)."),
-    impl: List[str] = typer.Option([], "--impl", metavar="KEY=MOD:ATTR",
-                                   help="Verify your code: KEY all-gather, experts, ddp, replicate, moe or moe-sync "
-                                   "(repeatable; contracts: docs/verify-parity.md)."),
+        None, "--backend", hidden=True, case_sensitive=False, help="Old spelling of --comm-backend."
+    ),
+    tolerance: str = typer.Option(
+        "strict", "--tolerance", help="strict (relative to magnitude) or seed (the seeds' own)."
+    ),
+    impl: List[str] = typer.Option(
+        [],
+        "--impl",
+        metavar="KEY=MOD:ATTR",
+        help="Verify your code: KEY all-gather, experts, ddp, replicate, moe or moe-sync "
+        "(repeatable; contracts: docs/verify-parity.md).",
+    ),
     as_json: bool = flags.shared_option("as_json"),
-    debug_collectives: bool = typer.Option(False, "--debug-collectives", help="TORCH_DISTRIBUTED_DEBUG=DETAIL in every rank."),
+    debug_collectives: bool = typer.Option(
+        False, "--debug-collectives", help="TORCH_DISTRIBUTED_DEBUG=DETAIL in every rank."
+    ),
     results_dir: Optional[str] = flags.shared_option("results_dir"),
     seed: int = flags.shared_option("seed", 0),
 ) -> None:
@@ -122,10 +135,16 @@ def verify_parity(
     names = tuple(n.strip() for n in checks.split(",") if n.strip()) if checks is not None else ()
     if checks is not None and not names:
         raise UserError("names no check; give check names (see --list) or leave the flag out", flag="--checks")
-    config = ParityConfig(world_size=world_size, checks=names, timeout_s=timeout,
-                          comm_backend=backend_old or comm_backend,
-                          tolerance=tolerance, impls=parse_impls(impl, timeout_s=timeout), debug_collectives=debug_collectives,
-                          seed=seed)
+    config = ParityConfig(
+        world_size=world_size,
+        checks=names,
+        timeout_s=timeout,
+        comm_backend=backend_old or comm_backend,
+        tolerance=tolerance,
+        impls=parse_impls(impl, timeout_s=timeout),
+        debug_collectives=debug_collectives,
+        seed=seed,
+    )
 
     def progress(record) -> None:
         if _is_printer() and not as_json:

@@ -373,7 +373,9 @@ def _write_payload(workdir: str, rank: int, payload: dict) -> None:
     try:
         data = pickle.dumps(payload)
     except Exception:  # noqa: BLE001 - an unpicklable return value is the function's bug
-        data = pickle.dumps({"ok": False, "error": f"rank {rank} returned an unpicklable value:\n{traceback.format_exc()}"})
+        data = pickle.dumps(
+            {"ok": False, "error": f"rank {rank} returned an unpicklable value:\n{traceback.format_exc()}"}
+        )
     tmp.write_bytes(data)
     os.replace(tmp, path)
 
@@ -476,7 +478,9 @@ def _run_as_torchrun_rank(fn, args, backend, timeout_s, label) -> LaunchResult:
         except Exception:  # noqa: BLE001
             payload = {"ok": False, "error": traceback.format_exc()}
             # Say it now: if a peer is stuck, the gather below waits for the group timeout.
-            print(f"[moebench rank {rank}] {label or 'launch'} raised:\n{payload['error']}", file=sys.stderr, flush=True)
+            print(
+                f"[moebench rank {rank}] {label or 'launch'} raised:\n{payload['error']}", file=sys.stderr, flush=True
+            )
         gathered: list[Any] = [None] * world_size
         dist.all_gather_object(gathered, payload, group=_RESULTS_GROUP)
     finally:

@@ -43,11 +43,18 @@ def _verify_parity(lookup) -> Check:
         return Check(**base, status=FAIL, data=data, found="no: gloo is unavailable or its probe failed",
                      hint="see the Communication and Collective probe rows")
     registered, import_errors, error = _parity_registry()
-    backends = f"gloo up to {gloo_max} local ranks (memory; > {cores} ranks oversubscribe the cores: slower, still correct)"
+    backends = (
+        f"gloo up to {gloo_max} local ranks (memory; > {cores} ranks oversubscribe the cores: slower, still correct)"
+    )
     backends += f", NCCL up to {gpus} (one GPU per rank)" if nccl_ok else ", NCCL: no (no GPUs)"
     if registered is None:
-        return Check(**base, status=WARN, data=data, found=f"{backends}; but the check registry does not load: {error}",
-                     hint="reinstall moebench (`make install`); report the error")
+        return Check(
+            **base,
+            status=WARN,
+            data=data,
+            found=f"{backends}; but the check registry does not load: {error}",
+            hint="reinstall moebench (`make install`); report the error",
+        )
     missing = {c.name: [m for m in getattr(c, "requires", ()) if not module_present(m)] for c in registered}
     missing = {k: v for k, v in missing.items() if v}
     too_big = [c.name for c in registered if (getattr(c, "min_world_size", 1) or 1) > gloo_max]

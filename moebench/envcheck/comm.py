@@ -26,7 +26,11 @@ def nccl_header_candidates(environ=None) -> list[str]:
     """Where a fastmoe build looks for nccl.h: NCCL_HOME / NCCL_INCLUDE_DIR, CUDA_HOME, system, pip's nvidia-nccl."""
     environ = os.environ if environ is None else environ
     dirs = [environ.get("NCCL_INCLUDE_DIR")]
-    dirs += [os.path.join(environ[v], "include") for v in ("NCCL_HOME", "NCCL_ROOT", "CUDA_HOME", "CUDA_PATH") if environ.get(v)]
+    dirs += [
+        os.path.join(environ[v], "include")
+        for v in ("NCCL_HOME", "NCCL_ROOT", "CUDA_HOME", "CUDA_PATH")
+        if environ.get(v)
+    ]
     dirs += ["/usr/local/cuda/include", "/usr/include", "/usr/local/include"]
     dirs += glob.glob(os.path.join(sys.prefix, "lib", "python3*", "site-packages", "nvidia", "nccl", "include"))
     seen, out = set(), []
@@ -50,31 +54,56 @@ def find_nccl_header(environ=None) -> tuple[str | None, versions.Version | None]
 
 def nccl_version_check(version: versions.Version | None, raw: str, cuda_build: bool) -> Check:
     """Pure verdict on torch's NCCL against fastmoe's minimum for distributed experts."""
-    base = dict(id="comm.nccl_version", section=COMM, title="NCCL version (torch)",
-                required=f">= {versions.fmt(versions.FASTMOE_MIN_NCCL)} for fastmoe's distributed experts (P2P); the chapter used 2.19.3")
+    base = dict(
+        id="comm.nccl_version",
+        section=COMM,
+        title="NCCL version (torch)",
+        required=f">= {versions.fmt(versions.FASTMOE_MIN_NCCL)} for fastmoe's distributed experts (P2P); "
+        "the chapter used 2.19.3",
+    )
     if version is None:
         return Check(**base, status=FAIL if cuda_build else SKIP,
                      found=f"no NCCL in this torch ({raw})" if cuda_build else "no NCCL (CPU build of torch)",
                      hint="install a CUDA torch wheel (they bundle NCCL)" if cuda_build else "",
                      data={"version": None, "raw": raw})
     new_enough = version >= versions.FASTMOE_MIN_NCCL
-    return Check(**base, status=OK if new_enough else FAIL, found=f"{versions.fmt(version)} (torch reports {raw})",
-                 hint="" if new_enough else "upgrade torch (its wheel bundles NCCL), or build fastmoe with USE_NCCL=0 (no distributed experts)",
-                 data={"version": versions.fmt(version), "raw": raw})
+    return Check(
+        **base,
+        status=OK if new_enough else FAIL,
+        found=f"{versions.fmt(version)} (torch reports {raw})",
+        hint=""
+        if new_enough
+        else "upgrade torch (its wheel bundles NCCL), or build fastmoe with USE_NCCL=0 (no distributed experts)",
+        data={"version": versions.fmt(version), "raw": raw},
+    )
 
 
 def nccl_header_check(path: str | None, header: versions.Version | None, torch_nccl: versions.Version | None,
                       cuda_build: bool) -> Check:
     """Pure verdict: fastmoe compiles against this nccl.h but runs with torch's NCCL; they must agree."""
-    base = dict(id="comm.nccl_header", section=COMM, title="nccl.h for building fastmoe",
-                required="fastmoe (USE_NCCL=1) compiles against nccl.h; its version must match torch's NCCL (fastmoe README)",
-                data={"path": path, "version": versions.fmt(header) if header else None})
+    base = dict(
+        id="comm.nccl_header",
+        section=COMM,
+        title="nccl.h for building fastmoe",
+        required="fastmoe (USE_NCCL=1) compiles against nccl.h; its version must match torch's NCCL (fastmoe README)",
+        data={"path": path, "version": versions.fmt(header) if header else None},
+    )
     if path is None:
-        return Check(**base, status=WARN if cuda_build else SKIP,
-                     found="no nccl.h found (NCCL_HOME, CUDA_HOME, /usr/include, pip nvidia-nccl)",
-                     hint="install the NCCL dev package of torch's NCCL version, or build fastmoe with USE_NCCL=0" if cuda_build else "")
+        return Check(
+            **base,
+            status=WARN if cuda_build else SKIP,
+            found="no nccl.h found (NCCL_HOME, CUDA_HOME, /usr/include, pip nvidia-nccl)",
+            hint="install the NCCL dev package of torch's NCCL version, or build fastmoe with USE_NCCL=0"
+            if cuda_build
+            else "",
+        )
     if header is None:
-        return Check(**base, status=WARN, found=f"{path}: no NCCL_MAJOR/NCCL_MINOR defines", hint="point NCCL_HOME at a real NCCL install")
+        return Check(
+            **base,
+            status=WARN,
+            found=f"{path}: no NCCL_MAJOR/NCCL_MINOR defines",
+            hint="point NCCL_HOME at a real NCCL install",
+        )
     if torch_nccl is None:
         return Check(**base, status=SKIP if not cuda_build else WARN,
                      found=f"{versions.fmt(header)} at {path}; torch has no NCCL to compare with")

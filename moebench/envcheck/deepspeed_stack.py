@@ -45,7 +45,9 @@ def extensions_root(environ=None) -> str:
         base = os.path.expanduser("~/.cache/torch_extensions")
     accel = (f"rocm{torch.version.hip.replace('.', '')}" if getattr(torch.version, "hip", None)
              else f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu")
-    return os.path.join(base, f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}_{accel}")
+    return os.path.join(
+        base, f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}_{accel}"
+    )
 
 
 def cached_ops(root: str) -> list[str]:
@@ -138,8 +140,14 @@ def _toolchain() -> dict:
     ninja_run = run_tool([ninja, "--version"]) if ninja else None
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     cxx_run = run_tool([cxx, "--version"]) if cxx else None
-    return {"ninja": ninja, "ninja_version": ninja_run.output.strip() if ninja_run and ninja_run.ok else None,
-            "cxx": cxx, "cxx_version": cxx_run.output.strip().splitlines()[0] if cxx_run and cxx_run.ok and cxx_run.output.strip() else None}
+    return {
+        "ninja": ninja,
+        "ninja_version": ninja_run.output.strip() if ninja_run and ninja_run.ok else None,
+        "cxx": cxx,
+        "cxx_version": cxx_run.output.strip().splitlines()[0]
+        if cxx_run and cxx_run.ok and cxx_run.output.strip()
+        else None,
+    }
 
 
 def import_check(result: dict) -> Check:

@@ -49,13 +49,23 @@ def _import(name: str):
 
 
 def fmoe_check(cuda_usable: bool) -> Check:
-    base = dict(id="fastmoe.fmoe", section=FASTMOE, title="fmoe",
-                required="the real fastmoe (CUDA only) for `run fastmoe --backend fmoe`; otherwise moebench's reference port runs")
+    base = dict(
+        id="fastmoe.fmoe",
+        section=FASTMOE,
+        title="fmoe",
+        required="the real fastmoe (CUDA only) for `run fastmoe --moe-impl fmoe`; otherwise moebench's "
+        "reference port runs",
+    )
     if not module_present("fmoe"):
-        return Check(**base, status=WARN if cuda_usable else SKIP,
-                     found="not installed" + ("" if cuda_usable else " (it needs CUDA; CPU runs use the reference port)"),
-                     hint="build it: `git clone https://github.com/laekov/fastmoe && cd fastmoe && python setup.py install`"
-                     if cuda_usable else "", data={"installed": False})
+        return Check(
+            **base,
+            status=WARN if cuda_usable else SKIP,
+            found="not installed" + ("" if cuda_usable else " (it needs CUDA; CPU runs use the reference port)"),
+            hint="build it: `git clone https://github.com/laekov/fastmoe && cd fastmoe && python setup.py install`"
+            if cuda_usable
+            else "",
+            data={"installed": False},
+        )
     module, error = _import("fmoe")
     if module is None:
         return Check(**base, status=FAIL, found=f"installed but `import fmoe` fails: {error}",
@@ -83,10 +93,13 @@ def fmoe_cuda_check(cuda_usable: bool) -> Check:
                      data={"present": True, "error": error})
     missing = [f for f in NCCL_FUNCTIONS if not hasattr(module, f)]
     if missing:
-        return Check(**base, status=WARN,
-                     found=f"built without NCCL (USE_NCCL=0): no {', '.join(missing)}; single-GPU only, no distributed experts",
-                     hint="rebuild with NCCL >= 2.7.5 headers matching torch's: `USE_NCCL=1 python setup.py install`",
-                     data={"present": True, "missing": missing})
+        return Check(
+            **base,
+            status=WARN,
+            found=f"built without NCCL (USE_NCCL=0): no {', '.join(missing)}; single-GPU only, no distributed experts",
+            hint="rebuild with NCCL >= 2.7.5 headers matching torch's: `USE_NCCL=1 python setup.py install`",
+            data={"present": True, "missing": missing},
+        )
     return Check(**base, status=OK, found=f"built with NCCL ({', '.join(NCCL_FUNCTIONS)} present)",
                  data={"present": True, "missing": []})
 
@@ -113,13 +126,22 @@ def tree_check() -> Check:
             from_dm_tree = False
     data = {"origin": origin, "dm_tree_version": dm_version, "missing": missing, "from_dm_tree": from_dm_tree}
     if missing:
-        return Check(**base, status=FAIL, data=data,
-                     found=f"`tree` at {origin} is not dm-tree (no {', '.join(missing)}): another package or file shadows it",
-                     hint="`pip uninstall tree` (a different PyPI package) and `pip install dm-tree`, or rename your tree.py")
+        return Check(
+            **base,
+            status=FAIL,
+            data=data,
+            found=f"`tree` at {origin} is not dm-tree (no {', '.join(missing)}): another package or file shadows it",
+            hint="`pip uninstall tree` (a different PyPI package) and `pip install dm-tree`, or rename your tree.py",
+        )
     if not from_dm_tree:
-        return Check(**base, status=WARN, data=data,
-                     found=f"`tree` at {origin} has the functions but is not dm-tree's" + ("" if dm_version else " (dm-tree not installed)"),
-                     hint="`pip install dm-tree` and remove the other `tree` from sys.path")
+        return Check(
+            **base,
+            status=WARN,
+            data=data,
+            found=f"`tree` at {origin} has the functions but is not dm-tree's"
+            + ("" if dm_version else " (dm-tree not installed)"),
+            hint="`pip install dm-tree` and remove the other `tree` from sys.path",
+        )
     return Check(**base, status=OK, data=data, found=f"dm-tree {dm_version} ({os.path.dirname(origin)})")
 
 
@@ -130,17 +152,25 @@ def env_check(environ=None) -> Check:
     values = [f"{k}={environ[k]}" for k in FASTER_VALUES if k in environ]
     parts = []
     if on:
-        parts.append(f"{', '.join(on)} on: fmoe takes the FasterMoE path (smart schedule / shadowing), not the chapter's")
+        parts.append(
+            f"{', '.join(on)} on: fmoe takes the FasterMoE path (smart schedule / shadowing), not the chapter's"
+        )
     if ignored:
         parts.append(f"{', '.join(ignored)} ignored by fastmoe (only 1 or ON enable it)")
     if values:
         parts.append(", ".join(values))
     return Check(
-        id="fastmoe.env", section=FASTMOE, title="FMOE_FASTER_* variables",
+        id="fastmoe.env",
+        section=FASTMOE,
+        title="FMOE_FASTER_* variables",
         status=WARN if on or ignored else OK,
         found="; ".join(parts) or "none set: fastmoe's default code path (as in the chapter)",
         required="unset for the chapter's code path; FMOE_FASTER_SCHEDULE_ENABLE / _SHADOW_ENABLE switch to FasterMoE",
-        hint="unset them to reproduce the chapter" if on else "set them to 1 or ON if you meant to enable them" if ignored else "",
+        hint="unset them to reproduce the chapter"
+        if on
+        else "set them to 1 or ON if you meant to enable them"
+        if ignored
+        else "",
         data={"enabled": on, "ignored": ignored, "values": values},
     )
 
@@ -161,25 +191,42 @@ def build_check(*, torch_cuda: str | None, nvcc_release: str | None, nvcc_error:
                      hint=f"install the CUDA {torch_cuda} toolkit and set CUDA_HOME")
     nv, tc = versions.parse_version(nvcc_release), versions.parse_version(torch_cuda)
     if nv[:1] != tc[:1]:
-        return Check(**base, status=FAIL, found=f"no: nvcc {nvcc_release} vs torch's CUDA {torch_cuda} (major differs)",
-                     hint=f"install CUDA {versions.fmt(tc[:2])} and set CUDA_HOME, or a torch wheel built for CUDA {nvcc_release}")
+        return Check(
+            **base,
+            status=FAIL,
+            found=f"no: nvcc {nvcc_release} vs torch's CUDA {torch_cuda} (major differs)",
+            hint=f"install CUDA {versions.fmt(tc[:2])} and set CUDA_HOME, "
+            f"or a torch wheel built for CUDA {nvcc_release}",
+        )
     if not headers_ok:
-        return Check(**base, status=FAIL, found=f"no: CUDA_HOME={cuda_home} has no include/cuda_runtime.h (build fails on missing files)",
-                     hint=f"export CUDA_HOME={toolkit_root or '/usr/local/cuda-' + nvcc_release}")
+        return Check(
+            **base,
+            status=FAIL,
+            found=f"no: CUDA_HOME={cuda_home} has no include/cuda_runtime.h (build fails on missing files)",
+            hint=f"export CUDA_HOME={toolkit_root or '/usr/local/cuda-' + nvcc_release}",
+        )
     if not cxx:
         return Check(**base, status=FAIL, found="no: no C++ compiler", hint="`apt-get install g++`")
     if use_nccl:
         if not torch_nccl or versions.parse_version(torch_nccl) < versions.FASTMOE_MIN_NCCL:
-            return Check(**base, status=FAIL, found=f"no: torch's NCCL {torch_nccl or 'missing'} < 2.7.5 (distributed experts need P2P)",
-                         hint="upgrade torch, or build with USE_NCCL=0 (no distributed experts)")
+            return Check(
+                **base,
+                status=FAIL,
+                found=f"no: torch's NCCL {torch_nccl or 'missing'} < 2.7.5 (distributed experts need P2P)",
+                hint="upgrade torch, or build with USE_NCCL=0 (no distributed experts)",
+            )
         if not nccl_header:
             return Check(**base, status=FAIL, found="no: USE_NCCL=1 (default) but no nccl.h",
                          hint=f"install NCCL {torch_nccl} headers (NCCL_HOME), or build with USE_NCCL=0")
     minor = nv[:2] != tc[:2]
-    return Check(**base, status=WARN if minor else OK,
-                 found=f"yes: nvcc {nvcc_release}, torch CUDA {torch_cuda}" + (" (minor differs: torch warns, builds)" if minor else "")
-                 + (f", NCCL {torch_nccl}" if use_nccl else ", USE_NCCL=0: no distributed experts"),
-                 hint="match nvcc's minor version to torch's CUDA to silence the warning" if minor else "")
+    return Check(
+        **base,
+        status=WARN if minor else OK,
+        found=f"yes: nvcc {nvcc_release}, torch CUDA {torch_cuda}"
+        + (" (minor differs: torch warns, builds)" if minor else "")
+        + (f", NCCL {torch_nccl}" if use_nccl else ", USE_NCCL=0: no distributed experts"),
+        hint="match nvcc's minor version to torch's CUDA to silence the warning" if minor else "",
+    )
 
 
 def checks(lookup: Callable[[str], Check | None]) -> list[Check]:

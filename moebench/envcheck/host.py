@@ -16,7 +16,8 @@ MIN_PYTHON = (3, 10)
 MIN_SHM_BYTES = 512 * 1024**2
 """DeepSpeed's shm comm op and NCCL's intra-node transport keep buffers in /dev/shm (Docker's default is 64 MB)."""
 CHAPTER_MODEL_BYTES = 5 * GIB
-"""The chapter's 273 M-parameter model trained with Adam: weights + grads + 2 moments = 16 B/param = 4.4 GB, plus activations."""
+"""The chapter's 273 M-parameter model trained with Adam: weights + grads + 2 moments = 16 B/param
+= 4.4 GB, plus activations."""
 
 ENV_EXACT = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
              "GLOO_SOCKET_IFNAME", "CUDA_VISIBLE_DEVICES", "CUDA_HOME", "CUDA_PATH", "TORCH_EXTENSIONS_DIR",
@@ -91,25 +92,36 @@ def checks() -> list[Check]:
         capability = "unknown"
     simd_known = bool(flags)
     simd = ", ".join(n for n, on in (("AVX2", avx2), ("AVX-512", avx512)) if on) or "neither AVX2 nor AVX-512"
-    out.append(Check(
-        id="platform.simd", section=PLATFORM, title="AVX2 / AVX-512",
-        status=(OK if avx2 else WARN) if simd_known else SKIP,
-        found=f"{simd}; torch kernels use {capability}" if simd_known else f"no CPU flags readable; torch kernels use {capability}",
-        required="AVX2 for fast torch CPU kernels and DeepSpeed's CPU ops (cpu_adam); AVX-512 is faster still",
-        hint="" if avx2 or not simd_known else "expect slow CPU runs; prefer a machine with AVX2",
-        data={"avx2": avx2, "avx512": avx512, "torch_cpu_capability": capability},
-    ))
+    out.append(
+        Check(
+            id="platform.simd",
+            section=PLATFORM,
+            title="AVX2 / AVX-512",
+            status=(OK if avx2 else WARN) if simd_known else SKIP,
+            found=f"{simd}; torch kernels use {capability}"
+            if simd_known
+            else f"no CPU flags readable; torch kernels use {capability}",
+            required="AVX2 for fast torch CPU kernels and DeepSpeed's CPU ops (cpu_adam); AVX-512 is faster still",
+            hint="" if avx2 or not simd_known else "expect slow CPU runs; prefer a machine with AVX2",
+            data={"avx2": avx2, "avx512": avx512, "torch_cpu_capability": capability},
+        )
+    )
 
     mem = psutil.virtual_memory()
     enough = mem.total >= CHAPTER_MODEL_BYTES
-    out.append(Check(
-        id="platform.memory", section=PLATFORM, title="Memory",
-        status=OK if enough else WARN,
-        found=f"{mem.total / GIB:.1f} GiB total, {mem.available / GIB:.1f} GiB available",
-        required=f">= {CHAPTER_MODEL_BYTES / GIB:.0f} GiB for the chapter-size model (273 M params + Adam state = 4.4 GB)",
-        hint="" if enough else "use the `quick` presets, or a machine with more memory for `--preset chapter`",
-        data={"total_bytes": mem.total, "available_bytes": mem.available},
-    ))
+    out.append(
+        Check(
+            id="platform.memory",
+            section=PLATFORM,
+            title="Memory",
+            status=OK if enough else WARN,
+            found=f"{mem.total / GIB:.1f} GiB total, {mem.available / GIB:.1f} GiB available",
+            required=f">= {CHAPTER_MODEL_BYTES / GIB:.0f} GiB for the chapter-size model "
+            "(273 M params + Adam state = 4.4 GB)",
+            hint="" if enough else "use the `quick` presets, or a machine with more memory for `--preset chapter`",
+            data={"total_bytes": mem.total, "available_bytes": mem.available},
+        )
+    )
 
     try:
         st = os.statvfs("/dev/shm")
@@ -143,9 +155,13 @@ def _env_check() -> Check:
         problems.append("CUDA_VISIBLE_DEVICES is empty: every GPU is hidden")
     found = ", ".join(f"{k}={v}" for k, v in env.items()) or "none set"
     return Check(
-        id="platform.env", section=PLATFORM, title="Environment variables",
-        status=WARN if problems else OK, found=found + ("; " + "; ".join(problems) if problems else ""),
-        required="launcher (RANK/WORLD_SIZE/MASTER_*), NCCL_*, GLOO_SOCKET_IFNAME, CUDA_VISIBLE_DEVICES, FMOE_* steer runs",
+        id="platform.env",
+        section=PLATFORM,
+        title="Environment variables",
+        status=WARN if problems else OK,
+        found=found + ("; " + "; ".join(problems) if problems else ""),
+        required="launcher (RANK/WORLD_SIZE/MASTER_*), NCCL_*, GLOO_SOCKET_IFNAME, CUDA_VISIBLE_DEVICES, "
+        "FMOE_* steer runs",
         hint="unset stray launcher variables, or set them as a complete set" if problems else "",
         data={"variables": env, "problems": problems},
     )

@@ -127,15 +127,26 @@ def probe_check(backend: str, timeout_s: float, result: LaunchResult) -> Check:
                 raised.append(f"rank {r} {first_bad[0]}: {first_bad[1].get('error', '')[:160]}")
         raised = "; ".join(raised)
         data["stuck_in"] = where
-        return Check(**base, status=FAIL, data=data,
-                     found=f"hung: rank(s) {result.stuck_ranks} did not finish within {timeout_s:g} s"
-                     + (f" ({detail})" if detail else "") + (f"; {raised}" if raised else "") + "; all ranks were killed",
-                     hint="rerun with NCCL_DEBUG=INFO / check GLOO_SOCKET_IFNAME and firewalls; --probe-timeout raises the bound")
+        return Check(
+            **base,
+            status=FAIL,
+            data=data,
+            found=f"hung: rank(s) {result.stuck_ranks} did not finish within {timeout_s:g} s"
+            + (f" ({detail})" if detail else "")
+            + (f"; {raised}" if raised else "")
+            + "; all ranks were killed",
+            hint="rerun with NCCL_DEBUG=INFO / check GLOO_SOCKET_IFNAME and firewalls; "
+            "--probe-timeout raises the bound",
+        )
     if result.errors:
         first = sorted(result.errors.items())[0]
-        return Check(**base, status=FAIL, data=data,
-                     found=f"rank {first[0]} failed: {first[1].strip().splitlines()[-1] if first[1].strip() else 'no output'}",
-                     hint="see the error; a torch reinstall (pinned) fixes a broken backend")
+        return Check(
+            **base,
+            status=FAIL,
+            data=data,
+            found=f"rank {first[0]} failed: {first[1].strip().splitlines()[-1] if first[1].strip() else 'no output'}",
+            hint="see the error; a torch reinstall (pinned) fixes a broken backend",
+        )
     per_op: dict[str, dict] = {}
     for rank, ret in enumerate(result.returns):
         for name in OPS:
@@ -150,8 +161,12 @@ def probe_check(backend: str, timeout_s: float, result: LaunchResult) -> Check:
         text = "; ".join(f"{n}: {next(iter(per_op[n]['errors'].values()))}" for n in bad)
         unsupported = [n for n in bad if any(w in e.lower() for e in per_op[n]["errors"].values()
                                              for w in ("not supported", "unsupported", "does not support"))]
-        hint = (f"{backend} in this torch lacks {', '.join(unsupported)}: expert parallelism needs it; use another backend or torch"
-                if unsupported else "collectives return wrong values: report it with `moebench env-check --report`")
+        hint = (
+            f"{backend} in this torch lacks {', '.join(unsupported)}: expert parallelism needs it; "
+            "use another backend or torch"
+            if unsupported
+            else "collectives return wrong values: report it with `moebench env-check --report`"
+        )
         return Check(**base, status=FAIL, found=f"{len(OPS) - len(bad)}/{len(OPS)} collectives ok; {text}",
                      hint=hint, data=data)
     return Check(**base, status=OK, data=data,

@@ -121,9 +121,13 @@ def find_nvcc(environ=None) -> Nvcc:
 
 def nvcc_check(nvcc: Nvcc, torch_cuda: str | None, gpu_count: int) -> Check:
     """Pure: turn what was found into a verdict (tests feed faked Nvcc records)."""
-    base = dict(id="cuda.nvcc", section=TORCH_CUDA, title="nvcc (CUDA toolkit)",
-                required="only to build CUDA extensions (fastmoe, DeepSpeed GPU ops): release == torch.version.cuda major",
-                data=dataclasses.asdict(nvcc))
+    base = dict(
+        id="cuda.nvcc",
+        section=TORCH_CUDA,
+        title="nvcc (CUDA toolkit)",
+        required="only to build CUDA extensions (fastmoe, DeepSpeed GPU ops): release == torch.version.cuda major",
+        data=dataclasses.asdict(nvcc),
+    )
     if nvcc.path is None:
         status = WARN if torch_cuda else SKIP
         return Check(**base, status=status, found="not found (CUDA_HOME, CUDA_PATH, PATH, /usr/local/cuda)",
@@ -179,12 +183,20 @@ def checks() -> list[Check]:
                       required="a CUDA build to use GPUs (the chapter: cu121)")
     else:
         build = Check(
-            id="torch.cuda_build", section=TORCH_CUDA, title="torch CUDA build",
+            id="torch.cuda_build",
+            section=TORCH_CUDA,
+            title="torch CUDA build",
             status=WARN if smi_gpus else SKIP,
-            found="CPU-only build (torch.version.cuda is None)" + (f", but nvidia-smi sees {smi_gpus} GPU(s)" if smi_gpus else ""),
+            found="CPU-only build (torch.version.cuda is None)"
+            + (f", but nvidia-smi sees {smi_gpus} GPU(s)" if smi_gpus else ""),
             required="a CUDA build only to use GPUs",
-            hint=("install a CUDA wheel: `make install TORCH_SPEC=torch==2.13.0 "
-                  "TORCH_PIP_ARGS='--index-url https://download.pytorch.org/whl/cu126'`") if smi_gpus else "")
+            hint=(
+                "install a CUDA wheel: `make install TORCH_SPEC=torch==2.13.0 "
+                "TORCH_PIP_ARGS='--index-url https://download.pytorch.org/whl/cu126'`"
+            )
+            if smi_gpus
+            else "",
+        )
     build.data = {"torch_cuda": torch_cuda, "hip": hip}
     out.append(build)
 
@@ -193,17 +205,32 @@ def checks() -> list[Check]:
     gpu_text = "; ".join(
         f"{g.get('index', '?')}: {g.get('name', '?')}"
         + (f" sm_{g['compute_cap'].replace('.', '')}" if g.get("compute_cap") else "")
-        + (f" {int(float(g['memory.total'])) / 1024:.0f} GiB" if g.get("memory.total", "").replace(".", "").isdigit() else "")
-        for g in smi.gpus)
+        + (
+            f" {int(float(g['memory.total'])) / 1024:.0f} GiB"
+            if g.get("memory.total", "").replace(".", "").isdigit()
+            else ""
+        )
+        for g in smi.gpus
+    )
     if available:
-        devices = Check(id="cuda.devices", section=TORCH_CUDA, title="GPUs", status=OK,
-                        found=f"{count} visible to torch" + (f" ({gpu_text})" if gpu_text else " (names need nvidia-smi)"),
-                        required="2+ GPUs for NCCL multi-rank runs; 1 for single-GPU runs")
+        devices = Check(
+            id="cuda.devices",
+            section=TORCH_CUDA,
+            title="GPUs",
+            status=OK,
+            found=f"{count} visible to torch" + (f" ({gpu_text})" if gpu_text else " (names need nvidia-smi)"),
+            required="2+ GPUs for NCCL multi-rank runs; 1 for single-GPU runs",
+        )
     elif torch_cuda and smi_gpus:
-        devices = Check(id="cuda.devices", section=TORCH_CUDA, title="GPUs", status=FAIL,
-                        found=f"nvidia-smi sees {smi_gpus} GPU(s) ({gpu_text}) but torch.cuda.is_available() is False",
-                        required="torch must see the GPUs it was built for",
-                        hint="check CUDA_VISIBLE_DEVICES and that the driver supports torch's CUDA (see the driver row)")
+        devices = Check(
+            id="cuda.devices",
+            section=TORCH_CUDA,
+            title="GPUs",
+            status=FAIL,
+            found=f"nvidia-smi sees {smi_gpus} GPU(s) ({gpu_text}) but torch.cuda.is_available() is False",
+            required="torch must see the GPUs it was built for",
+            hint="check CUDA_VISIBLE_DEVICES and that the driver supports torch's CUDA (see the driver row)",
+        )
     else:
         devices = Check(id="cuda.devices", section=TORCH_CUDA, title="GPUs", status=SKIP,
                         found="no CUDA GPU visible" + (f" (nvidia-smi: {gpu_text})" if gpu_text else ""),
@@ -215,9 +242,15 @@ def checks() -> list[Check]:
         driver = Check(id="cuda.driver", section=TORCH_CUDA, title="NVIDIA driver", status=SKIP,
                        found="nvidia-smi not found (no NVIDIA driver)", required="only for GPUs")
     elif smi.error:
-        driver = Check(id="cuda.driver", section=TORCH_CUDA, title="NVIDIA driver", status=WARN if not torch_cuda else FAIL,
-                       found=f"nvidia-smi failed: {smi.error}", required="a working driver for GPU runs",
-                       hint="reinstall / reload the NVIDIA driver (nvidia-smi must work)")
+        driver = Check(
+            id="cuda.driver",
+            section=TORCH_CUDA,
+            title="NVIDIA driver",
+            status=WARN if not torch_cuda else FAIL,
+            found=f"nvidia-smi failed: {smi.error}",
+            required="a working driver for GPU runs",
+            hint="reinstall / reload the NVIDIA driver (nvidia-smi must work)",
+        )
     else:
         too_old = (torch_cuda and smi.driver_cuda
                    and versions.parse_version(smi.driver_cuda) < versions.parse_version(torch_cuda)[:2])

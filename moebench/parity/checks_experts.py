@@ -65,7 +65,9 @@ def _loss_weights(seed: int, case: int, step: int, batch_sizes: list[int], exper
     if mode == "seed":  # out.mean(): every element weighted 1 / numel
         return [torch.full((b, experts, TOKENS, DIM), 1.0 / max(1, b * experts * TOKENS * DIM)) for b in batch_sizes]
     g = torch.Generator().manual_seed(seed * 10_000 + case * 100 + step + 77)
-    return [torch.randn(b, experts, TOKENS, DIM, generator=g) / max(1, b * experts * TOKENS * DIM) for b in batch_sizes]
+    return [
+        torch.randn(b, experts, TOKENS, DIM, generator=g) / max(1, b * experts * TOKENS * DIM) for b in batch_sizes
+    ]
 
 
 def _average_grads(params: list[torch.Tensor], world_size: int) -> None:

@@ -139,8 +139,14 @@ def _rank(ctx, opts: CheckOptions) -> list:
     return results
 
 
-register(Check(
-    name="moe-expert-parallel", order=90, seed_source="004 chapter 6.4.1 (fastmoe FMoETransformerMLP)",
-    description="fastmoe-style MoE, experts spread over ranks (all-to-all) vs one process: outputs, input/gate/expert grads",
-    rank_fn=_rank, impl_keys=("moe", "moe-sync"),
-))
+register(
+    Check(
+        name="moe-expert-parallel",
+        order=90,
+        seed_source="004 chapter 6.4.1 (fastmoe FMoETransformerMLP)",
+        description="fastmoe-style MoE, experts spread over ranks (all-to-all) vs one process: "
+        "outputs, input/gate/expert grads",
+        rank_fn=_rank,
+        impl_keys=("moe", "moe-sync"),
+    )
+)

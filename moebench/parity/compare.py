@@ -25,7 +25,8 @@ TOLERANCE_MODES = ("strict", "seed")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Tolerance:
-    """|actual - expected| <= atol + rtol * |expected| elementwise, with atol = atol_abs + atol_fraction * magnitude."""
+    """|actual - expected| <= atol + rtol * |expected| elementwise,
+    with atol = atol_abs + atol_fraction * magnitude."""
 
     rtol: float
     """Relative tolerance per element."""

@@ -45,7 +45,8 @@ CHECK_MODULES = (
 IMPL_CONTRACTS = {
     "all-gather": "fn(t, dim=0, sizes=None) -> (gathered, sizes); autograd-capable",
     "experts": "Class(list_of_expert_modules); forward(x[batch, experts, tokens, dim], is_distributed=None)",
-    "ddp": "Wrapper(module) -> module: rank 0's parameters broadcast when built, gradients averaged over ranks (like DDP)",
+    "ddp": "Wrapper(module) -> module: rank 0's parameters broadcast when built, "
+    "gradients averaged over ranks (like DDP)",
     "replicate": "fn(module, **kwargs) -> module, like torch.distributed._composable.replicate",
     "moe": "Class(num_expert=, d_model=, d_hidden=, top_k=, world_size=) like FMoEReference (same state_dict keys)",
     "moe-sync": "fn(model) after backward: makes every rank's gradients the global-batch ones",

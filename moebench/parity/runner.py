@@ -224,8 +224,12 @@ def run_checks(config: ParityConfig, *, on_record: Callable[[CheckRecord], None]
             for module in check.preload:
                 importlib.import_module(module)
             timeout_s = check.timeout_s or config.timeout_s
-            opts = CheckOptions(tolerance=config.tolerance, impls=dict(config.impls), seed=config.seed % CHECK_SEED_MODULUS,
-                                timeout_s=timeout_s)
+            opts = CheckOptions(
+                tolerance=config.tolerance,
+                impls=dict(config.impls),
+                seed=config.seed % CHECK_SEED_MODULUS,
+                timeout_s=timeout_s,
+            )
             result = launch(_rank_entry, world_size, args=(check.name, opts), backend=backend,
                             timeout_s=timeout_s, label=f"check {check.name}", env=env)
             record = _audit(check, result, world_size)

@@ -34,7 +34,9 @@ def _gather_case(ctx, dim: int, equal: bool, pass_sizes: bool):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("dim,equal,pass_sizes", [(0, False, False), (1, False, True), (0, True, False), (-1, False, False)])
+@pytest.mark.parametrize(
+    "dim,equal,pass_sizes", [(0, False, False), (1, False, True), (0, True, False), (-1, False, False)]
+)
 def test_all_gather_variable_forward_and_adjoint(dim, equal, pass_sizes):
     result = launch(_gather_case, 3, args=(dim, equal, pass_sizes), backend="gloo", timeout_s=30)
     assert result.ok, result.describe()

@@ -65,7 +65,9 @@ def test_negative_nccl_code_is_rejected():
 
 
 def test_nccl_header_defines_are_parsed():
-    header = "#ifndef NCCL_H_\n#define NCCL_MAJOR 2\n#define NCCL_MINOR 19\n#define NCCL_PATCH 3\n#define NCCL_SUFFIX \"\"\n"
+    header = (
+        '#ifndef NCCL_H_\n#define NCCL_MAJOR 2\n#define NCCL_MINOR 19\n#define NCCL_PATCH 3\n#define NCCL_SUFFIX ""\n'
+    )
     assert versions.parse_nccl_header(header) == (2, 19, 3)
     assert versions.parse_nccl_header("#define NCCL_MAJOR 2\n") is None
     assert versions.parse_nccl_header("") is None

@@ -55,11 +55,18 @@ def _cases() -> list[tuple[str, list[str], str]]:
     parity = "verify-parity"
     cases += [(parity, ["-n", v], "--world-size" if v != "abc" else "-n") for v in ("0", "65", "abc")]
     cases += [(parity, ["--timeout", v], "--timeout") for v in ("0", "-1", "nan", "inf")]
-    cases += [(parity, ["--comm-backend", "bogus"], "--comm-backend"), (parity, ["--tolerance", "loose"], "--tolerance"),
-              (parity, ["--checks", ""], "--checks"), (parity, ["--checks", ",,"], "--checks"),
-              (parity, ["--checks", "nope"], "--checks"), (parity, ["--impl", ""], "--impl"),
-              (parity, ["--impl", "nokey"], "--impl"), (parity, ["--seed", "-1"], "--seed"),
-              (parity, ["--results-dir", ""], "--results-dir"), (parity, ["--bogus-flag"], "--bogus-flag")]
+    cases += [
+        (parity, ["--comm-backend", "bogus"], "--comm-backend"),
+        (parity, ["--tolerance", "loose"], "--tolerance"),
+        (parity, ["--checks", ""], "--checks"),
+        (parity, ["--checks", ",,"], "--checks"),
+        (parity, ["--checks", "nope"], "--checks"),
+        (parity, ["--impl", ""], "--impl"),
+        (parity, ["--impl", "nokey"], "--impl"),
+        (parity, ["--seed", "-1"], "--seed"),
+        (parity, ["--results-dir", ""], "--results-dir"),
+        (parity, ["--bogus-flag"], "--bogus-flag"),
+    ]
     env = "env-check"
     cases += [(env, ["--probe-timeout", v], "--probe-timeout") for v in ("0", "-1", "nan", "abc", "99999")]
     cases += [(env, ["--results-dir", ""], "--results-dir"), (env, ["--json", "--report"], "--report"),

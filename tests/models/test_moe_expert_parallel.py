@@ -158,7 +158,10 @@ def _switch_capacity_rank(ctx: RankContext, per_rank_capacity: bool = False) -> 
     for model in models:  # every token wants expert 0: its capacity (shared by the ranks) overflows
         with torch.no_grad():
             model.layers[0].mlp.gate.gate.bias[0] = 100.0
-    x = torch.randn((config.train.batch_size, config.train.seq_len, config.model.d_model), generator=torch.Generator().manual_seed(1))
+    x = torch.randn(
+        (config.train.batch_size, config.train.seq_len, config.model.d_model),
+        generator=torch.Generator().manual_seed(1),
+    )
     rows = slice(ctx.rank * 4, (ctx.rank + 1) * 4)
     with torch.no_grad():
         out_full, _ = models[0](x)

@@ -28,7 +28,9 @@ def _count(config, world_size: int = 1) -> dict:
     return {**counted, "totals": {"other": 0, **counted["by_category"]}}
 
 
-@pytest.mark.parametrize("layers,d_model,d_hidden,experts,heads", [(1, 16, 24, 4, 2), (3, 32, 64, 8, 4), (2, 8, 8, 1, 1)])
+@pytest.mark.parametrize(
+    "layers,d_model,d_hidden,experts,heads", [(1, 16, 24, 4, 2), (3, 32, 64, 8, 4), (2, 8, 8, 1, 1)]
+)
 def test_count_params_equals_the_closed_form(layers, d_model, d_hidden, experts, heads):
     config = fastmoe_config(layers=layers, d_model=d_model, d_hidden=d_hidden, experts=experts, heads=heads,
                             top_k=1)

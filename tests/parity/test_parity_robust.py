@@ -96,7 +96,14 @@ def test_interrupting_the_real_command_kills_every_rank(tmp_path, sig):
 
 
 def test_two_concurrent_runs_do_not_clash(tmp_path):
-    cmd = MOEBENCH + ["verify-parity", "--world-size", "3", "--checks", "all-gather-variable,experts,ddp-sgd", "--json"]
+    cmd = MOEBENCH + [
+        "verify-parity",
+        "--world-size",
+        "3",
+        "--checks",
+        "all-gather-variable,experts,ddp-sgd",
+        "--json",
+    ]
     procs = [subprocess.Popen(cmd, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
     docs = []

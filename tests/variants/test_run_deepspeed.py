@@ -122,7 +122,10 @@ def test_bad_ds_config_exits_2_with_one_line_and_no_results(tmp_path, text, args
 
 
 def test_missing_ds_config_and_unknown_preset(tmp_path):
-    for args, flag in ((["--ds-config", str(tmp_path / "nope.json")], "--ds-config"), (["--preset", "nope"], "--preset")):
+    for args, flag in (
+        (["--ds-config", str(tmp_path / "nope.json")], "--ds-config"),
+        (["--preset", "nope"], "--preset"),
+    ):
         result = runner.invoke(app, ["run", "deepspeed", "--results-dir", str(tmp_path / "r"), *args])
         assert result.exit_code == 2 and result.output.startswith(f"error: {flag}: "), result.output
     assert not (tmp_path / "r").exists()
@@ -370,8 +373,9 @@ def test_quick_run_routing_counts_add_up(quick_runs):
         assert sum(layer["tokens_kept_per_expert"]) == routes_per_layer - layer["dropped"]
         assert all(k <= layer["capacity_per_expert"] * steps for k in layer["tokens_kept_per_expert"])
         assert all(k <= c for k, c in zip(layer["tokens_kept_per_expert"], layer["exp_counts"]))
-        assert layer["capacity_per_expert"] == max(config.moe.min_capacity,
-                                                   -(-tokens_per_step * config.moe.capacity_factor // layer["experts"]))
+        assert layer["capacity_per_expert"] == max(
+            config.moe.min_capacity, -(-tokens_per_step * config.moe.capacity_factor // layer["experts"])
+        )
         assert layer["tokens"] == steps * tokens_per_step == total["tokens_per_layer"]
         assert layer["dropped_tokens"] == layer["dropped"]  # top-1
     assert total["dropped"] > 0  # the quick run drops at capacity 1.0: the fractions are not vacuous

@@ -177,7 +177,9 @@ def test_two_ranks_follow_the_one_process_loss_curve():
     two = _run_json(*FAST, "--world-size", "2")
     assert two["world_size"] == 2 and two["params"]["ep_size"] == 2
     assert {**two["params"], "ep_size": 1} == one["params"]  # the global model, counted on 1 or 2 ranks
-    assert two["comm_backend"] == results.read_json(f"{two['run_path']}/config.json")["launch"]["comm_backend"] == "gloo"
+    assert (
+        two["comm_backend"] == results.read_json(f"{two['run_path']}/config.json")["launch"]["comm_backend"] == "gloo"
+    )
     assert max(abs(a - b) for a, b in zip(one["losses"], two["losses"])) < LOSS_CURVE_ATOL
     assert abs(one["test"]["loss"] - two["test"]["loss"]) < LOSS_CURVE_ATOL
 

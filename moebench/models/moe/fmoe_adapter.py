@@ -2,7 +2,7 @@
 
 fastmoe's kernels are CUDA-only (its `fmoe_cuda` extension) and its expert-parallel exchange needs
 fastmoe built with NCCL (the default; `USE_NCCL=0` turns it off). `unusable_reason()` says which of
-these is missing; asking for `--backend fmoe` then fails with that reason.
+these is missing; asking for `--moe-impl fmoe` then fails with that reason.
 """
 
 from __future__ import annotations
