@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from moebench.distributed import collectives
 from moebench.distributed.collectives import all_gather_variable
-from moebench.distributed.experts import Experts, rank_share
+from moebench.parity.experts import Experts, rank_share
 
 # ------------------------------------------------------------------ all-gather
 

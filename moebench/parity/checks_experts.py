@@ -24,8 +24,8 @@ import copy
 import torch
 from torch import nn
 
-from moebench.distributed.experts import Experts
 from moebench.parity.compare import SEED_ALLCLOSE_DEFAULT, SEED_EXPERTS_GRAD, STRICT, compare, pick
+from moebench.parity.experts import Experts
 from moebench.parity.registry import Check, CheckOptions, impl_or_default, register
 
 # The seed's sizes: small already, and the seed-mode verdict (vacuous or not) depends on them.

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from moebench.distributed.collectives import all_gather_variable, reduce_scatter_input, reduce_scatter_output
-from moebench.distributed.experts import Experts, rank_share
 from moebench.distributed.launch import launch
+from moebench.parity.experts import Experts, rank_share
 
 
 def _rows(rank: int) -> int:
