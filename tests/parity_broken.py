@@ -267,3 +267,72 @@ def st_moe_all_gather_function(t, dim=0, sizes=None):
 
     gathered, sizes = AllGatherFunction.apply(t, dim % t.ndim, sizes)
     return gathered, sizes
+
+
+# ------------------------------------------------------------------ for the diagnoses
+
+
+def detached_all_gather(t, dim=0, sizes=None):
+    """Right rows, still differentiable, but cut from the input: every input gradient is zero."""
+    gathered, sizes = all_gather_variable(t.detach(), dim=dim, sizes=sizes)
+    return gathered + 0.0 * t.sum(), sizes
+
+
+def one_rank_summed_sync(model):
+    """Correct everywhere but on rank 1, whose expert gradients are left summed (world size x)."""
+    from moebench.distributed.expert_parallel import sync_gradients
+
+    sync_gradients(model)
+    if dist.get_rank() == 1:
+        for name, p in model.named_parameters():
+            if name.startswith("experts.") and p.grad is not None:
+                p.grad.mul_(dist.get_world_size())
+
+
+def averaged_twice_sync(model):
+    """Expert gradients divided by the ep size once too often."""
+    from moebench.distributed.expert_parallel import sync_gradients
+
+    sync_gradients(model)
+    for name, p in model.named_parameters():
+        if name.startswith("experts.") and p.grad is not None:
+            p.grad.div_(dist.get_world_size())
+
+
+# ------------------------------------------------------------------ gates (routing-invariants)
+
+
+def _switch_gate():
+    from moebench.models.moe.gates import SwitchGate
+
+    return SwitchGate
+
+
+class NoDivisionSwitchGate(_switch_gate()):
+    """fastmoe #199: the Switch gate's capacity lacks the `/ num_expert` (each expert may keep N slots)."""
+
+    def forward(self, inp):
+        import math as _math
+
+        from moebench.models.moe import gates
+
+        real = _math.ceil
+        try:  # capacity = ceil(rate * N / num_expert) computed with num_expert forced to 1
+            gates.math = type("m", (), {"ceil": staticmethod(lambda v: real(v * self.num_expert))})
+            return super().forward(inp)
+        finally:
+            gates.math = _math
+
+
+class IgnoresCapacitySwitchGate(_switch_gate()):
+    """DeepSpeed #1658's shape: top-1 routing that never drops (capacity ignored)."""
+
+    def forward(self, inp):
+        from moebench.models.moe import gates
+
+        real = gates.limit_by_capacity
+        gates.limit_by_capacity = lambda idx, *a, **k: idx
+        try:
+            return super().forward(inp)
+        finally:
+            gates.limit_by_capacity = real

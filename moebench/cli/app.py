@@ -96,12 +96,13 @@ def _root(
 
 
 def _compose() -> None:
-    from moebench.cli import envcheck, parity, run, runs
+    from moebench.cli import bench, envcheck, parity, run, runs
 
     app.add_typer(envcheck.app)  # a Typer with one command: merged, so `env-check` is a leaf command
     app.add_typer(run.app, name="run")
     app.add_typer(parity.app)
     app.add_typer(runs.app)
+    app.add_typer(bench.app)
 
 
 _compose()

@@ -80,6 +80,9 @@ def _print_table(summary: dict) -> None:
     for c in summary["checks"]:
         if c["reason"] and (c["status"] != "pass" or c.get("unasserted_outside")):
             console.print(f"[bold]{c['name']}[/] ({c['status']}):", highlight=False)
+            if c.get("diagnosis"):
+                console.print(f"diagnosis: {c['diagnosis']['name']}: {c['diagnosis']['sentence']}",
+                              markup=False, highlight=False)
             console.print(c["reason"], markup=False, highlight=False)
     counts = summary["counts"]
     console.print(f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped; "
@@ -109,7 +112,7 @@ def verify_parity(
         [],
         "--impl",
         metavar="KEY=MOD:ATTR",
-        help="Verify your code: KEY all-gather, experts, ddp, replicate, moe or moe-sync "
+        help="Verify your code: KEY all-gather, experts, ddp, replicate, moe, moe-sync or switch-gate "
         "(repeatable; contracts: docs/verify-parity.md).",
     ),
     as_json: bool = flags.shared_option("as_json"),

@@ -15,6 +15,7 @@ from moebench.distributed.collectives import all_gather_variable
 from moebench.parity.compare import EXACT, STRICT, assertion, compare, pick
 from moebench.parity.registry import Check, CheckOptions, impl_or_default, register
 
+LOCAL_SLICE = "a backward that keeps only this rank's slice of its own gradient (no reduce-scatter)"
 FEATURES = (3, 4)  # trailing dims of every rank's tensor: tiny on purpose
 
 
@@ -70,8 +71,14 @@ def _rank(ctx, opts: CheckOptions) -> list:
         sum(_loss(reference, weights[s]) for s in range(w)).backward()
         expected = reference.grad.split(rows, dim=dim)[r]
         got = x.grad if x.grad is not None else torch.zeros_like(x)
+        # What a backward that keeps only this rank's slice of its OWN gradient gives (st-moe's bug):
+        # offered to the diagnosis so such a failure is named "local slice".
+        own = reference.detach().clone().requires_grad_(True)
+        _loss(own, weights[r]).backward()
+        local_slice = own.grad.split(rows, dim=dim)[r]
         results.append(compare(f"{tag}: input grad = sum over ranks' losses", got, expected, tol,
-                               rank=r, asserted=asserted))
+                               rank=r, asserted=asserted, world_size=w,
+                               alternatives={"local slice": (local_slice, LOCAL_SLICE)}))
     return results
 
 

@@ -105,6 +105,8 @@ class Comparison:
     """False for comparisons reported for information only (e.g. in seed mode, what the seed never asserted)."""
     tolerance_source: str = ""
     note: str = ""
+    diagnosis: dict | None = None
+    """For a failed numeric comparison: {name, sentence, details} naming the bug class (diagnose.py)."""
 
     def __post_init__(self) -> None:
         if not self.asserted:
@@ -128,8 +130,23 @@ def _to_tensor(x: Any) -> torch.Tensor:
 
 
 def compare(name: str, actual: Any, expected: Any, tol: Tolerance, *, rank: int | None = None,
-            asserted: bool = True, expect_equal: bool = True, note: str = "") -> Comparison:
-    """Compare `actual` against `expected` (the reference). `expect_equal=False` asserts they DIFFER."""
+            asserted: bool = True, expect_equal: bool = True, note: str = "", world_size: int | None = None,
+            alternatives: dict[str, Any] | None = None) -> Comparison:
+    """Compare `actual` against `expected` (the reference). `expect_equal=False` asserts they DIFFER.
+
+    A failed (or, unasserted, out-of-tolerance) equality gets a `diagnosis` (diagnose.py); `alternatives`
+    are tensors a known-wrong implementation would produce (e.g. {"local slice": ...}), named on a match."""
+    c = _compare(name, actual, expected, tol, rank=rank, asserted=asserted, expect_equal=expect_equal, note=note)
+    if expect_equal and not c.passed:
+        from moebench.parity.diagnose import diagnose
+
+        c.diagnosis = diagnose(actual, expected, atol=c.atol or 0.0, rtol=tol.rtol, world_size=world_size,
+                               alternatives=alternatives)
+    return c
+
+
+def _compare(name: str, actual: Any, expected: Any, tol: Tolerance, *, rank: int | None,
+             asserted: bool, expect_equal: bool, note: str) -> Comparison:
     a, e = _to_tensor(actual), _to_tensor(expected)
     base = dict(name=name, rank=rank, asserted=asserted, tolerance_source=tol.source, rtol=tol.rtol)
     if a.shape != e.shape:

@@ -1,20 +1,22 @@
 """Name the bug behind a failed comparison, from the numbers only.
 
-`diagnose(actual, expected, tol)` returns {"name", "sentence", "details"} for a comparison that
-failed. Detectors, in order (the first that explains the numbers wins):
+`diagnose(actual, expected, atol=, rtol=)` returns {"name", "sentence", "details"} for a comparison
+that failed. Detectors, in order (the first that explains the numbers wins):
 
-- non-finite: NaN / Inf in the actual (or expected) tensor; the first flat index and position.
+- shape: the shapes differ.
+- non-finite: NaN / Inf in the actual (or expected) tensor; the first index.
 - zero: the actual tensor is all zeros while the expected is not (detached; backward returned nothing).
 - alternatives: the caller may pass tensors a known-wrong implementation would produce, e.g. the
   all-gather check passes {"local slice": what a local-slice backward gives}; a match names it.
-- uniform scale: actual = c * expected everywhere (c fitted by least squares). When c or 1/c is an
+- uniform-scale: actual = c * expected everywhere (c fitted by least squares). When c or 1/c is an
   integer N >= 2 (within SCALE_INTEGER_RTOL): "summed instead of averaged over N ranks" / "averaged twice".
-- rows permuted: every row of actual equals some row of expected (within the tolerance), in another order.
-- partial: only some rows (dim 0) differ; they are named.
+- rows-permuted: along some dim, every slice of actual equals some slice of expected, in another order.
+- partial: only some slices (rows) differ; they are named.
 - unexplained: none of the above, with statistics.
 
-`summarise(comparisons, world_size)` gives the check-level finding: which parameter groups (experts,
-gate/router, replicated, input gradient, output) are right and which are wrong, and which ranks.
+`summarise(comparisons, world_size, first)` gives the check-level finding: which parameter groups
+(output, input gradient, gate/router, experts, replicated) are right and which wrong, which ranks,
+and the earliest failure's diagnosis.
 """
 
 from __future__ import annotations
@@ -27,17 +29,17 @@ import torch
 
 # A fitted scale c explains the numbers when |actual - c * expected| stays within this fraction of
 # max |actual| everywhere. Summation-order noise is ~1e-7 of the magnitude (compare.py); 1e-4 leaves
-# 1000x margin and is still far below what any partially wrong tensor would leave (>= 1e-2 here).
+# 1000x margin and is still far below what a partly wrong tensor leaves (>= 1e-2 in every case seen).
 SCALE_FIT_RTOL = 1e-4
 # c or 1/c counts as the integer N when within 2 % of it: a summed-not-averaged gradient is N x to
-# ~1e-7; 2 % only matters for noisy users' code, and integers >= 2 are >= 33 % apart at N <= 64.
+# ~1e-7; the slack only serves noisier user code, and integers >= 2 are >= 1.5 % apart up to N = 64.
 SCALE_INTEGER_RTOL = 0.02
-# A scale this close to 1 is no finding (it would be a tolerance issue, not a bug class).
+# A scale this close to 1 is no finding (that is a tolerance question, not a bug class).
 SCALE_MIN_DEVIATION = 1e-3
-# Rows are matched for the permutation / partial detectors with the comparison's own tolerance
-# widened by this factor, so a row that is right up to summation noise is never called wrong.
+# Slices are matched (permutation / partial) with the comparison's own tolerance widened by this
+# factor, so a slice that is right up to summation noise is never called wrong.
 ROW_MATCH_SLACK = 10.0
-# At most this many rows are named in a sentence (the details keep all of them).
+# At most this many indices are named in a sentence (the details keep all of them).
 MAX_NAMED = 8
 
 GROUPS = ("output", "input gradient", "gate/router", "experts", "replicated")
@@ -53,7 +55,7 @@ def _close(a: torch.Tensor, e: torch.Tensor, atol: float, rtol: float) -> torch.
     return (a - e).abs() <= ROW_MATCH_SLACK * (atol + rtol * e.abs())
 
 
-def _names(idx: list[int], what: str = "row") -> str:
+def _names(idx: list, what: str = "row") -> str:
     shown = ", ".join(str(i) for i in idx[:MAX_NAMED])
     more = f" and {len(idx) - MAX_NAMED} more" if len(idx) > MAX_NAMED else ""
     return f"{what}{'s' if len(idx) > 1 else ''} {shown}{more}"
@@ -63,12 +65,13 @@ def _d(name: str, sentence: str, **details) -> dict[str, Any]:
     return {"name": name, "sentence": sentence, "details": details}
 
 
-def _integer_scale(c: float, world_size: int | None) -> tuple[int | None, str]:
-    for value, word in ((c, "summed instead of averaged"), (1.0 / c if c else math.inf, "averaged twice")):
+def integer_scale(c: float, world_size: int | None = None) -> tuple[int | None, str]:
+    """(N, why) when c or 1/c is within SCALE_INTEGER_RTOL of an integer N >= 2, else (None, "")."""
+    for value, summed in ((c, True), (1.0 / c if c else math.inf, False)):
         n = round(value) if math.isfinite(value) else 0
         if n >= 2 and abs(value - n) <= SCALE_INTEGER_RTOL * n:
             who = " (the world size)" if world_size == n else ""
-            if word.startswith("summed"):
+            if summed:
                 return n, f"summed instead of averaged over {n} ranks{who}"
             return n, f"averaged twice: divided by {n}{who} once too often"
     return None, ""
@@ -76,7 +79,9 @@ def _integer_scale(c: float, world_size: int | None) -> tuple[int | None, str]:
 
 def diagnose(actual: Any, expected: Any, *, atol: float, rtol: float, world_size: int | None = None,
              alternatives: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The diagnosis of a failed comparison (actual vs expected, judged with atol / rtol)."""
+    """The diagnosis of a failed comparison (actual vs expected, judged with atol / rtol).
+
+    `alternatives`: label -> tensor, or label -> (tensor, description of the implementation)."""
     a, e = _t(actual), _t(expected)
     if a.shape != e.shape:
         return _d("shape", f"shape {tuple(a.shape)} instead of {tuple(e.shape)}",
@@ -95,48 +100,65 @@ def diagnose(actual: Any, expected: Any, *, atol: float, rtol: float, world_size
         return _d("zero", "all zeros: no gradient reached it (detached, or a backward that returns nothing)",
                   expected_magnitude=magnitude)
     for label, alt in (alternatives or {}).items():
+        alt, what = alt if isinstance(alt, tuple) else (alt, label)
         alt_t = _t(alt)
         if alt_t.shape == a.shape and bool(_close(a, alt_t, atol, rtol).all()):
-            return _d(label.replace(" ", "-"), f"matches what {label} would give", alternative=label)
+            return _d(label.replace(" ", "-"), f"matches what {what} would give", alternative=label)
     ee = float((e * e).sum())
-    if ee > 0:
-        c = float((a * e).sum()) / ee
+    c = float((a * e).sum()) / ee if ee > 0 else 0.0
+    if ee > 0 and c != 0 and abs(c - 1.0) > SCALE_MIN_DEVIATION:
         resid = float((a - c * e).abs().max())
-        scale_ok = resid <= SCALE_FIT_RTOL * max(float(a.abs().max()), 1e-300)
-        if scale_ok and abs(c - 1.0) > SCALE_MIN_DEVIATION and c != 0:
-            n, why = _integer_scale(c, world_size)
+        if resid <= SCALE_FIT_RTOL * float(a.abs().max()):
+            n, why = integer_scale(c, world_size)
             sentence = f"actual = {c:.4g} x expected everywhere" + (f": {why}" if why else "")
             return _d("uniform-scale", sentence, scale=c, integer=n, residual=resid)
-    if a.ndim >= 1 and a.shape[0] > 1:
-        rows_a, rows_e = a.reshape(a.shape[0], -1), e.reshape(e.shape[0], -1)
-        match = torch.stack([_close(rows_a[i][None, :], rows_e, atol, rtol).all(dim=1) for i in range(len(rows_a))])
+    found = _slices(a, e, atol, rtol)
+    if found is not None:
+        return found
+    diff = (a - e).abs()
+    outside = diff > atol + rtol * e.abs()
+    na, ne = float(a.norm()), float(e.norm())
+    corr = float((a * e).sum()) / (na * ne) if na > 0 and ne > 0 else 0.0
+    ratio = na / ne if ne else math.inf
+    return _d("unexplained", f"{int(outside.sum())} of {a.numel()} elements outside the tolerance; max abs diff "
+              f"{float(diff.max()):.3g}, mean abs diff {float(diff.mean()):.3g}, |actual|/|expected| "
+              f"{ratio:.3g}, correlation {corr:.3g}, best scale {c:.3g}",
+              outside=int(outside.sum()), numel=a.numel(), max_abs_diff=float(diff.max()),
+              mean_abs_diff=float(diff.mean()), norm_ratio=ratio if ne else None, correlation=corr,
+              best_scale=c)
+
+
+def _slices(a: torch.Tensor, e: torch.Tensor, atol: float, rtol: float) -> dict[str, Any] | None:
+    """rows-permuted along any dim, else partial along the dim where the fewest slices differ."""
+    partial = None
+    for dim in range(a.ndim):
+        n = a.shape[dim]
+        if n < 2:
+            continue
+        rows_a = a.movedim(dim, 0).reshape(n, -1)
+        rows_e = e.movedim(dim, 0).reshape(n, -1)
+        match = torch.stack([_close(rows_a[i][None, :], rows_e, atol, rtol).all(dim=1) for i in range(n)])
         perm: list[int] = []
         used: set[int] = set()
-        for i in range(len(rows_a)):
+        for i in range(n):
             j = next((int(j) for j in match[i].nonzero().flatten() if int(j) not in used), None)
             if j is None:
                 break
             perm.append(j)
             used.add(j)
-        if len(perm) == len(rows_a) and perm != list(range(len(perm))):
-            moved = [i for i, j in enumerate(perm) if i != j]
-            return _d("rows-permuted", f"the right rows in the wrong order: row i holds expected row perm[i], "
-                      f"perm = {perm[:4 * MAX_NAMED]}", permutation=perm, moved=moved)
-        wrong = [i for i in range(len(rows_a)) if not bool(match[i, i])]
-        if 0 < len(wrong) < len(rows_a):
-            return _d("partial", f"only {_names(wrong)} of {len(rows_a)} differ; the others are right",
-                      rows=wrong, rows_total=len(rows_a))
-    diff = (a - e).abs()
-    outside = diff > atol + rtol * e.abs()
-    c = float((a * e).sum()) / ee if ee > 0 else 0.0
-    na, ne = float(a.norm()), float(e.norm())
-    corr = float((a * e).sum()) / (na * ne) if na > 0 and ne > 0 else 0.0
-    return _d("unexplained", f"{int(outside.sum())} of {a.numel()} elements outside the tolerance; max abs diff "
-              f"{float(diff.max()):.3g}, mean abs diff {float(diff.mean()):.3g}, |actual|/|expected| "
-              f"{na / ne if ne else math.inf:.3g}, correlation {corr:.3g}, best scale {c:.3g}",
-              outside=int(outside.sum()), numel=a.numel(), max_abs_diff=float(diff.max()),
-              mean_abs_diff=float(diff.mean()), norm_ratio=(na / ne if ne else None), correlation=corr,
-              best_scale=c)
+        what = "row" if dim == 0 else f"slice along dim {dim}"
+        if len(perm) == n and perm != list(range(n)):
+            return _d("rows-permuted", f"the right {what}s in the wrong order: position i holds expected "
+                      f"{what} perm[i], perm = {perm[:4 * MAX_NAMED]}", dim=dim, permutation=perm,
+                      moved=[i for i, j in enumerate(perm) if i != j])
+        wrong = [i for i in range(n) if not bool(match[i, i])]
+        if 0 < len(wrong) < n and (partial is None or len(wrong) / n < partial[0]):
+            partial = (len(wrong) / n, dim, wrong, n, what)
+    if partial is None:
+        return None
+    _, dim, wrong, n, what = partial
+    return _d("partial", f"only {_names(wrong, what)} of {n} differ; the others are right",
+              dim=dim, indices=wrong, total=n)
 
 
 # ------------------------------------------------------------------ check level
@@ -145,23 +167,27 @@ def diagnose(actual: Any, expected: Any, *, atol: float, rtol: float, world_size
 def group_of(name: str) -> str:
     """The parameter group a comparison's name belongs to."""
     n = name.lower()
-    if re.search(r"\b(gate|router|routing|gating)\b", n):
+    if re.search(r"\b(gate|router|routing|gating|top\dgating|capacity|kept|dropped|combine)\b", n):
         return "gate/router"
-    if "input grad" in n or "x.grad" in n:
+    if "input grad" in n:
         return "input gradient"
-    if re.search(r"\bexperts?\b|h4toh|htoh4|deepspeed_experts", n):
+    if re.search(r"\bexperts?\b|h4toh|htoh4", n):
         return "experts"
-    if re.search(r"\b(output|outputs|loss|gathered|sizes|forward|mask|capacity|kept|dropped|combine)\b", n):
+    if re.search(r"\b(output|outputs|loss|gathered|sizes|forward)\b", n):
         return "output"
     return "replicated"
 
 
-def summarise(comparisons: list, world_size: int) -> dict[str, Any] | None:
-    """The check-level diagnosis from its comparisons (Comparison objects); None when none failed."""
+def summarise(comparisons: list, world_size: int, first: Any = None) -> dict[str, Any] | None:
+    """The check-level diagnosis from its comparisons (Comparison objects); None when none failed.
+
+    `first` is the earliest failed comparison (the likeliest root cause); its diagnosis names the
+    check's, unless only some of the ranks failed ("partial")."""
     asserted = [c for c in comparisons if c.asserted]
     failed = [c for c in asserted if not c.passed]
     if not failed:
         return None
+    first = first if first is not None else failed[0]
     groups: dict[str, list[int]] = {}
     for c in asserted:
         g = groups.setdefault(group_of(c.name), [0, 0])
@@ -169,27 +195,23 @@ def summarise(comparisons: list, world_size: int) -> dict[str, Any] | None:
         g[0] += 0 if c.passed else 1
     right = [g for g in GROUPS if g in groups and groups[g][0] == 0]
     wrong = [g for g in GROUPS if g in groups and groups[g][0] > 0]
-    names = [c.diagnosis["name"] for c in failed if c.diagnosis]
     parts = [f"{g} right" for g in right] + [f"{g} wrong ({groups[g][0]}/{groups[g][1]})" for g in wrong]
     ranks_failed = sorted({c.rank for c in failed if c.rank is not None})
     ranks_all = sorted({c.rank for c in asserted if c.rank is not None})
-    if ranks_failed and len(ranks_failed) < len(ranks_all):
+    only_some = bool(ranks_failed) and len(ranks_failed) < len(ranks_all)
+    if only_some:
         parts.append(f"only on {_names(ranks_failed, 'rank')} of {len(ranks_all)}")
-    dominant = max(set(names), key=names.count) if names else "unexplained"
+    names = [c.diagnosis["name"] for c in failed if c.diagnosis]
     scales = sorted({c.diagnosis["details"].get("integer") for c in failed
                      if c.diagnosis and c.diagnosis["name"] == "uniform-scale"} - {None})
-    if dominant == "uniform-scale" and scales:
+    if scales:
         parts.append(f"scaled by {' / '.join(str(s) for s in scales)}"
                      + (" (the world size)" if scales == [world_size] else ""))
-    if len(set(names)) > 1:
-        counts = {n: names.count(n) for n in sorted(set(names))}
-        parts.append("diagnoses: " + ", ".join(f"{n} x{k}" for n, k in counts.items()))
-    if right and wrong:
-        name = "partial"
-    elif len(ranks_failed) < len(ranks_all) and ranks_failed:
-        name = "partial"
-    else:
-        name = dominant
+    if first.diagnosis:
+        parts.append(f"first failure: rank {first.rank}: {first.name}: {first.diagnosis['name']}")
+    name = "partial" if only_some else (first.diagnosis["name"] if first.diagnosis else "unexplained")
     return {"name": name, "sentence": "; ".join(parts),
-            "details": {"groups": {g: {"failed": v[0], "total": v[1]} for g, v in groups.items()},
-                        "ranks_failed": ranks_failed, "diagnoses": {n: names.count(n) for n in set(names)}}}
+            "details": {"right": right, "wrong": wrong,
+                        "groups": {g: {"failed": v[0], "total": v[1]} for g, v in groups.items()},
+                        "ranks_failed": ranks_failed, "scales": scales,
+                        "diagnoses": {n: names.count(n) for n in sorted(set(names))}}}

@@ -39,6 +39,9 @@ CHECK_MODULES = (
     "moebench.parity.checks_experts",
     "moebench.parity.checks_moe",
     "moebench.parity.checks_deepspeed",
+    "moebench.parity.checks_routing",
+    "moebench.parity.checks_losscurve",
+    "moebench.parity.checks_engine",
 )
 
 # --impl keys a user may replace, and the contract each must meet (also in docs/verify-parity.md).
@@ -50,6 +53,8 @@ IMPL_CONTRACTS = {
     "replicate": "fn(module, **kwargs) -> module, like torch.distributed._composable.replicate",
     "moe": "Class(num_expert=, d_model=, d_hidden=, top_k=, world_size=) like FMoEReference (same state_dict keys)",
     "moe-sync": "fn(model) after backward: makes every rank's gradients the global-batch ones",
+    "switch-gate": "Class(d_model, num_expert, world_size) like fastmoe's SwitchGate: forward(x[N, d]) -> "
+                   "(idx[N, 1] with -1 = dropped, score[N, 1]); capacity ceil(rate x N / num_expert)",
 }
 
 

@@ -24,6 +24,7 @@ from moebench.config import COMM_BACKENDS, require_choice, require_seed, require
 from moebench.distributed.launch import launch, local_world_size, resolve_backend, sigterm_as_interrupt, under_torchrun
 from moebench.errors import UserError
 from moebench.parity.compare import TOLERANCE_MODES, Comparison
+from moebench.parity.diagnose import summarise
 from moebench.parity.registry import Check, CheckOptions, SkipCheck, all_checks, load_all, select
 from moebench.results import STATUS_FAILED, STATUS_INTERRUPTED, STATUS_OK, RunDir
 
@@ -113,6 +114,9 @@ class CheckRecord:
     backend: str = ""
     """The backend this check ran on (CPU-only checks use gloo even where "auto" picks NCCL)."""
     comparisons: list[dict] = dataclasses.field(default_factory=list)
+    diagnosis: dict | None = None
+    """For a failed check: {name, sentence, details} summarised by parameter group and rank
+    (e.g. "output right; gate/router wrong (1/1)"); each failed comparison has its own."""
 
 
 def _rank_entry(ctx, check_name: str, opts: CheckOptions) -> dict:
@@ -141,6 +145,8 @@ def _audit(check: Check, result, world_size: int) -> CheckRecord:
         return CheckRecord(**base, status="skip", reason=skips[0])
     indexed = [(i, Comparison(**c)) for r in result.returns for i, c in enumerate(r["comparisons"])]
     comps = [c for _, c in indexed]
+    for c in comps:
+        _name_world_size(c, world_size)
     order = {id(c): i for i, c in indexed}  # position in its rank's list (sorted() keeps rank order on ties)
     asserted = [c for c in comps if c.asserted]
     failed = [c for c in asserted if not c.passed]
@@ -160,6 +166,7 @@ def _audit(check: Check, result, world_size: int) -> CheckRecord:
         unasserted_outside=unasserted_outside,
         comparisons=[c.to_dict() for c in comps],
     )
+    record.diagnosis = summarise(comps, world_size, first=min(failed, key=lambda c: order[id(c)], default=None))
     if not asserted:
         record.reason = "the check asserted nothing"
     elif failed:
@@ -175,7 +182,22 @@ def _audit(check: Check, result, world_size: int) -> CheckRecord:
     return record
 
 
+def _name_world_size(c: Comparison, world_size: int) -> None:
+    """A scale of exactly the world size is named as such (the ranks' compare() does not know it)."""
+    d = c.diagnosis
+    if d and d["name"] == "uniform-scale" and d["details"].get("integer") == world_size \
+            and "world size" not in d["sentence"]:
+        ws = " (the world size)"
+        d["sentence"] = d["sentence"].replace(f" over {world_size} ranks", f" over {world_size} ranks{ws}")
+        d["sentence"] = d["sentence"].replace(f"divided by {world_size} ", f"divided by {world_size}{ws} ")
+
+
 def _describe_failure(c: Comparison) -> str:
+    return _describe_numbers(c) + (f"\n    diagnosis: {c.diagnosis['name']}: {c.diagnosis['sentence']}"
+                                   if c.diagnosis else "")
+
+
+def _describe_numbers(c: Comparison) -> str:
     if c.max_abs_diff is None:
         return f"rank {c.rank}: {c.name}: {c.note or 'failed'}"
     verb = "should differ but agree" if c.kind == "differ" else "differ"

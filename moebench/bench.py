@@ -1,0 +1,335 @@
+"""`moebench bench`: forward + backward speed of one MoE layer against its compute bound.
+
+Layers (each timed as forward + backward of one layer, same process, interleaved repeats):
+- `ideal`: the routed slots (tokens x k), perfectly balanced, through per-expert GEMMs;
+- `dense`: one GEMM pair of the same FLOPs (the machine's achievable bound);
+- `reference`: moebench's FMoEReference (fastmoe-exact);
+- `deepspeed-cf1` / `deepspeed-cf2`: DeepSpeed's `MoE` at capacity factor 1.0 / 2.0;
+- `fmoe`: the real fastmoe layer, where it imports (CUDA only);
+- `grouped-mm`: the balanced slots through `torch._grouped_mm` (one call per matmul).
+
+GFLOP/s counts the expert GEMMs only: 3 x 2 x tokens x k x d_model x d_hidden x 2 (two matmuls,
+forward + two backward GEMMs each). Peak memory is the process RSS high-water delta (psutil,
+sampled after each call) — torch's CPU allocator keeps no stats and tracemalloc misses it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+LAYERS = ("ideal", "dense", "reference", "deepspeed-cf1", "deepspeed-cf2", "fmoe", "grouped-mm")
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    experts: int
+    tokens: int
+    top_k: int
+    d_model: int
+    d_hidden: int
+
+    @property
+    def flops(self) -> float:
+        return 3 * 2 * self.tokens * self.top_k * self.d_model * self.d_hidden * 2
+
+
+def balanced_counts(slots: int, experts: int) -> list[int]:
+    base, extra = divmod(slots, experts)
+    return [base + (1 if i < extra else 0) for i in range(experts)]
+
+
+def expert_weights(p: Point, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    s1, s2 = p.d_model ** -0.5, p.d_hidden ** -0.5
+    w1 = (torch.rand(p.experts, p.d_hidden, p.d_model, generator=g) * 2 - 1) * s1
+    b1 = torch.zeros(p.experts, p.d_hidden)
+    w2 = (torch.rand(p.experts, p.d_model, p.d_hidden, generator=g) * 2 - 1) * s2
+    b2 = torch.zeros(p.experts, p.d_model)
+    return tuple(t.requires_grad_() for t in (w1, b1, w2, b2))
+
+
+def per_expert_leaves(stacked: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor], ...]:
+    return tuple([t.detach()[e].clone().requires_grad_() for e in range(t.shape[0])] for t in stacked)
+
+
+def per_expert_loop(slots: torch.Tensor, counts: list[int], w1, b1, w2, b2) -> torch.Tensor:
+    """The `ideal` computation: expert e's contiguous slice through Linear-GELU-Linear."""
+    outs = [F.linear(F.gelu(F.linear(chunk, w1[e], b1[e])), w2[e], b2[e])
+            for e, chunk in enumerate(slots.split(counts))]
+    return torch.cat(outs, 0)
+
+
+def grouped_mm_experts(slots: torch.Tensor, counts: list[int], w1, b1, w2, b2) -> torch.Tensor:
+    """Same as `per_expert_loop` with one grouped GEMM per matmul. torch 2.13 CPU needs: offs int32
+    and cumulative (ends), every stride a multiple of 16 bytes, and a contiguous grad_output (an
+    expanded one from `.sum().backward()` raises "Invalid strides/sizes ... [0, 0]")."""
+    offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    ids = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    h = torch._grouped_mm(slots, w1.transpose(-2, -1), offs=offs) + b1[ids]
+    return torch._grouped_mm(F.gelu(h), w2.transpose(-2, -1), offs=offs) + b2[ids]
+
+
+def _backward(y: torch.Tensor) -> None:
+    y.backward(torch.ones_like(y))  # contiguous grad (grouped_mm rejects expanded ones)
+
+
+class _DeepSpeed:
+    """DeepSpeed's comm on one in-process rank, opened once for the whole sweep."""
+
+    def __init__(self) -> None:
+        self.stack = contextlib.ExitStack()
+        self.error: str | None = None
+        self.ready = False
+
+    def open(self) -> None:
+        if self.ready or self.error:
+            return
+        try:
+            from moebench.models.deepspeed_moe import create_expert_groups, set_accelerator_env
+
+            set_accelerator_env("cpu" if not torch.cuda.is_available() else "cuda")
+            from moebench.distributed.launch import RankContext
+            from moebench.variants.deepspeed.comm import deepspeed_comm
+
+            ctx = RankContext(rank=0, world_size=1, local_rank=0, backend="none", device="cpu")
+            self.stack.enter_context(deepspeed_comm(ctx, compiled_ops=False, timeout_s=120))
+            create_expert_groups(1)
+            self.ready = True
+        except Exception as e:  # noqa: BLE001 - report why the layer is skipped
+            self.error = f"{type(e).__name__}: {e}"[:200]
+
+    def close(self) -> None:
+        self.stack.close()
+
+
+def build_layers(p: Point, layers: tuple[str, ...], ds: _DeepSpeed) -> tuple[dict[str, Callable], dict[str, str]]:
+    """One zero-argument fwd+bwd callable per layer that can run; a skip reason for the rest."""
+    torch.manual_seed(0)
+    x = torch.randn(1, p.tokens, p.d_model)
+    slots_n = p.tokens * p.top_k
+    counts = balanced_counts(slots_n, p.experts)
+    slots = x.reshape(-1, p.d_model).repeat_interleave(p.top_k, 0).detach().requires_grad_()
+    fns: dict[str, Callable] = {}
+    skipped: dict[str, str] = {}
+    for name in layers:
+        try:
+            if name == "ideal":
+                # One leaf per expert (as the reference's modules): indexing a stacked leaf would
+                # make backward write a full [E, ...] zero gradient per expert (E^2 traffic).
+                w = per_expert_leaves(expert_weights(p))
+                fns[name] = lambda w=w: _backward(per_expert_loop(slots, counts, *w))
+            elif name == "grouped-mm":
+                if not hasattr(torch, "_grouped_mm"):
+                    raise RuntimeError("torch._grouped_mm missing in this torch")
+                w = expert_weights(p)
+                _backward(grouped_mm_experts(slots, counts, *w))  # probe: raises if unsupported
+                fns[name] = lambda w=w: _backward(grouped_mm_experts(slots, counts, *w))
+            elif name == "dense":
+                w = per_expert_leaves(expert_weights(dataclasses.replace(p, experts=1)))
+                fns[name] = lambda w=w: _backward(per_expert_loop(slots, [slots_n], *w))
+            elif name == "reference":
+                from moebench.models.moe import build_moe_mlp
+
+                layer = build_moe_mlp(backend="reference", experts=p.experts, d_model=p.d_model,
+                                      d_hidden=p.d_hidden, top_k=p.top_k, gate="naive")
+                xr = x.clone().requires_grad_()
+                fns[name] = lambda m=layer, xr=xr: _backward(m(xr)[0])
+            elif name.startswith("deepspeed-cf"):
+                ds.open()
+                if ds.error:
+                    raise RuntimeError(ds.error)
+                from moebench.models.deepspeed_moe import DeepSpeedMoEMLP
+                from moebench.variants.deepspeed.config import DeepSpeedMoEConfig
+
+                cf = float(name.removeprefix("deepspeed-cf"))
+                cfg = DeepSpeedMoEConfig(experts=(p.experts,), d_hidden=p.d_hidden, top_k=p.top_k,
+                                         capacity_factor=cf, eval_capacity_factor=cf, min_capacity=0,
+                                         noisy_gate_policy="none", use_residual=False, drop_tokens=True,
+                                         use_rts=False, ep_size=1)
+                layer = DeepSpeedMoEMLP(cfg, d_model=p.d_model, experts=p.experts, seed=0,
+                                        top2_2nd_expert_sampling=False)
+                xr = x.clone().requires_grad_()
+                fns[name] = lambda m=layer, xr=xr: _backward(m(xr)[0])
+            elif name == "fmoe":
+                if not torch.cuda.is_available():
+                    raise RuntimeError("fastmoe's kernels need CUDA (no GPU here)")
+                import fmoe  # noqa: F401
+
+                from moebench.models.moe import build_moe_mlp
+
+                layer = build_moe_mlp(backend="fmoe", experts=p.experts, d_model=p.d_model,
+                                      d_hidden=p.d_hidden, top_k=p.top_k, gate="naive")
+                xr = x.clone().requires_grad_()
+                fns[name] = lambda m=layer, xr=xr: _backward(m(xr)[0])
+            else:
+                raise ValueError(f"unknown layer {name!r}")
+        except Exception as e:  # noqa: BLE001 - a layer that cannot run is reported, not fatal
+            skipped[name] = f"{type(e).__name__}: {e}"[:200]
+    return fns, skipped
+
+
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def time_call(fn: Callable) -> float:
+    if torch.cuda.is_available():
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1000.0
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def reference_breakdown(p: Point) -> dict:
+    """torch.profiler over one fwd+bwd of the reference layer: share of CPU time in the expert
+    GEMMs (mm / addmm / linear's matmuls) vs the rest (gate, sort/dispatch, combine, GELU...)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fns, skipped = build_layers(p, ("reference",), _DeepSpeed())
+    fn = fns["reference"]
+    fn()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    gemm_ops = {"aten::mm", "aten::addmm", "aten::bmm"}
+    groups = {"gemm": 0.0, "gate_topk": 0.0, "sort_dispatch": 0.0, "combine": 0.0, "activation": 0.0, "other": 0.0}
+    total = 0.0
+    for ev in prof.key_averages():
+        if not ev.key.startswith("aten::"):
+            continue
+        t = ev.self_cpu_time_total
+        total += t
+        k = ev.key
+        if k in gemm_ops:
+            groups["gemm"] += t
+        elif k in ("aten::topk", "aten::softmax", "aten::_softmax"):
+            groups["gate_topk"] += t
+        elif k in ("aten::sort", "aten::argsort", "aten::bincount", "aten::index_select", "aten::where",
+                   "aten::index_select_backward", "aten::split_with_sizes", "aten::_local_scalar_dense"):
+            groups["sort_dispatch"] += t
+        elif k in ("aten::index_copy", "aten::index_copy_", "aten::cat", "aten::zeros", "aten::new_zeros",
+                   "aten::index_add_", "aten::fill_", "aten::zero_"):
+            groups["combine"] += t
+        elif "gelu" in k:
+            groups["activation"] += t
+        else:
+            groups["other"] += t
+    total = total or 1.0
+    return {"point": dataclasses.asdict(p), "total_ms": total / 1000.0,
+            "share": {k: v / total for k, v in groups.items()},
+            "outside_gemm": 1.0 - groups["gemm"] / total}
+
+
+def run_sweep(points: list[Point], layers: tuple[str, ...] = LAYERS, repeats: int = 3, warmup: int = 1,
+              profile: bool = True, log: Callable[[str], None] | None = None) -> dict:
+    """Time every layer at every point; rows carry medians, spreads and same-process ratios."""
+    ds = _DeepSpeed()
+    rows, breakdown = [], []
+    try:
+        for p in points:
+            if log:
+                log(f"E={p.experts} T={p.tokens} k={p.top_k} d={p.d_model}/{p.d_hidden}")
+            fns, skipped = build_layers(p, layers, ds)
+            peak: dict[str, int] = {}
+            for name, fn in fns.items():
+                base = _rss()
+                for _ in range(max(warmup, 0)):
+                    fn()
+                peak[name] = max(0, _rss() - base)
+            times: dict[str, list[float]] = {n: [] for n in fns}
+            for _ in range(max(repeats, 1)):
+                for name, fn in fns.items():  # interleaved: every layer once per repeat
+                    base = _rss()
+                    times[name].append(time_call(fn))
+                    peak[name] = max(peak[name], _rss() - base)
+            med = {n: statistics.median(t) for n, t in times.items()}
+            for name in layers:
+                row = {"layer": name, **dataclasses.asdict(p), "threads": torch.get_num_threads(),
+                       "device": "cuda" if torch.cuda.is_available() else "cpu"}
+                if name in skipped:
+                    rows.append({**row, "skipped": skipped[name]})
+                    continue
+                m = med[name]
+                row.update({"time_s": m, "min_s": min(times[name]), "max_s": max(times[name]),
+                            "tokens_per_s": p.tokens / m, "gflops": p.flops / m / 1e9,
+                            "peak_rss_mb": peak[name] / 2**20, "skipped": None})
+                for ref, key in (("ideal", "vs_ideal"), ("dense", "vs_dense"), ("deepspeed-cf1", "vs_deepspeed_cf1")):
+                    row[key] = med[ref] / m if ref in med else None
+                rows.append(row)
+            if profile and "reference" in fns:
+                breakdown.append(reference_breakdown(p))
+    finally:
+        ds.close()
+    return {"rows": rows, "breakdown": breakdown, "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "memory_method": "psutil RSS delta (high-water, sampled per call)",
+            "grouped_mm_requirements": grouped_mm_experts.__doc__.split("torch 2.13 CPU needs: ")[-1].strip()}
+
+
+def format_table(result: dict) -> str:
+    """Plain text, at most 80 columns."""
+    lines = [f"{'layer':<14}{'E':>4}{'T':>6}{'k':>2}{'tok/s':>9}{'GFLOP/s':>8}{'xideal':>7}{'xdense':>7}"
+             f"{'xDS1':>6}{'spread%':>8}{'MB':>6}"]
+    fmt = (lambda v, w, d=2: f"{v:>{w}.{d}f}" if v is not None else f"{'-':>{w}}")
+    for r in result["rows"]:
+        head = f"{r['layer']:<14}{r['experts']:>4}{r['tokens']:>6}{r['top_k']:>2}"
+        if r.get("skipped"):
+            lines.append(f"{head}  skipped: {r['skipped']}"[:80])
+            continue
+        spread = 100 * (r["max_s"] - r["min_s"]) / r["time_s"]
+        lines.append(f"{head}{r['tokens_per_s']:>9.0f}{r['gflops']:>8.1f}{fmt(r['vs_ideal'], 7)}"
+                     f"{fmt(r['vs_dense'], 7)}{fmt(r['vs_deepspeed_cf1'], 6)}{spread:>8.0f}{r['peak_rss_mb']:>6.0f}")
+    for b in result["breakdown"]:
+        p = b["point"]
+        s = b["share"]
+        lines.append(f"ref E={p['experts']} T={p['tokens']} k={p['top_k']}: non-GEMM {100 * b['outside_gemm']:.0f}%"
+                     f" gate {100 * s['gate_topk']:.0f} sort {100 * s['sort_dispatch']:.0f}"
+                     f" comb {100 * s['combine']:.0f} gelu {100 * s['activation']:.0f}"
+                     f" other {100 * s['other']:.0f}"[:80])
+    lines.append(f"threads {result['threads']}, torch {result['torch']}, memory: psutil RSS delta")
+    return "\n".join(lines)
+
+
+def plot(result: dict, out_dir: os.PathLike) -> list[str]:
+    """tokens/s vs experts and vs tokens, one line per layer (the other axes at their first value)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if not r.get("skipped")]
+    written = []
+    if not rows:
+        return written
+    for axis, fixed in (("experts", "tokens"), ("tokens", "experts")):
+        first = rows[0]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for layer in dict.fromkeys(r["layer"] for r in rows):
+            pts = sorted((r[axis], r["tokens_per_s"]) for r in rows if r["layer"] == layer
+                         and r[fixed] == first[fixed] and r["top_k"] == first["top_k"])
+            if pts:
+                ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=layer)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(axis)
+        ax.set_ylabel("tokens/s (fwd+bwd)")
+        ax.set_title(f"{fixed}={first[fixed]}, k={first['top_k']}, d={first['d_model']}/{first['d_hidden']}")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"tokens_per_s_vs_{axis}.png")
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
