@@ -102,6 +102,8 @@ DS_CONFIGS = [
     ('{"optimizer": {"type": "Frobnicate"}}', [], "neither a DeepSpeed optimizer nor a torch.optim class"),
     ('{"scheduler": {"type": "Cosine"}}', [], "scheduler.type='Cosine' is not one of DeepSpeed's"),
     ('{"scheduler": 5}', [], "scheduler.type=None"),
+    ('{"zero_optimization": {"reduce_bucket_size": "lots"}}', [], "zero_optimization.reduce_bucket_size in"),
+    ('{"zero_optimization": {"no_such_knob": 1}}', [], "zero_optimization.no_such_knob in"),
     ("[" * 5000 + "]" * 5000, [], "nests deeper than"),
     # half precision on the CPU engine fails inside deepspeed.initialize, after the folder exists
     ('{"fp16": {"enabled": true}}', [], "fp16.enabled=true needs a CUDA GPU"),

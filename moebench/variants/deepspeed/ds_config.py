@@ -165,6 +165,8 @@ def build_ds_config(config: DeepSpeedRunConfig, user: dict | None = None) -> dic
     }
     if user is None:
         user = load_ds_config(config.engine.ds_config) if config.engine.ds_config else {}
+    if user:
+        validate_with_deepspeed(user, config.engine.ds_config or "--ds-config")
     user = copy.deepcopy(user)
     user_optimizer = user.get("optimizer")
     if isinstance(user_optimizer, dict) and str(user_optimizer.get("type", "Adam")).lower() not in ("adam", "adamw"):
@@ -178,6 +180,31 @@ def build_ds_config(config: DeepSpeedRunConfig, user: dict | None = None) -> dic
     _check_half_precision(merged)
     merged["train_batch_size"] = config.train.batch_size
     return merged
+
+
+def validate_with_deepspeed(user: dict, path: str) -> None:
+    """The file's sections checked by DeepSpeed's own pydantic config models (zero_optimization,
+    fp16, bf16), before any folder exists. Imports DeepSpeed, so only when a file is given."""
+    import pydantic
+
+    from moebench.models.deepspeed_moe import set_accelerator_env
+
+    set_accelerator_env("cuda" if torch.cuda.is_available() else "cpu")  # before DeepSpeed is imported
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    for key, model in (("zero_optimization", DeepSpeedZeroConfig), ("fp16", DeepSpeedFP16Config),
+                       ("bf16", DeepSpeedBF16Config)):
+        section = user.get(key)
+        if not isinstance(section, dict):
+            continue  # absent, or a wrong type the checks below name
+        try:
+            model(**section)
+        except pydantic.ValidationError as exc:
+            error = exc.errors()[0]
+            where = ".".join(str(part) for part in (key, *error.get("loc", ())))
+            raise UserError(f"{where} in {path}: {error.get('msg', 'invalid')} (DeepSpeed's config model); "
+                            "fix the file", flag="--ds-config") from None
 
 
 def _check_ds_config(ds: dict, config: DeepSpeedRunConfig) -> None:
