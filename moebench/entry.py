@@ -5,6 +5,8 @@ moment - even during start-up imports - ends the command with exit code 130 (see
 
 from __future__ import annotations
 
+import atexit
+import os
 import sys
 
 
@@ -27,4 +29,32 @@ def main() -> None:
         code = 130
     finally:
         signals.ignore()  # on the way out: a late signal must not kill the interpreter's shutdown
-    sys.exit(130 if signals.received() is not None else code)
+    code = 130 if signals.received() is not None else code
+    if _is_torch_rank():
+        finish_rank(code)
+    sys.exit(code)
+
+
+def _is_torch_rank() -> bool:
+    from moebench.distributed.env import is_launched_rank
+
+    return is_launched_rank() and "torch.distributed" in sys.modules
+
+
+def finish_rank(code: int | str | None) -> None:
+    """End a rank of an external launch (torchrun) without interpreter finalisation.
+
+    The exit handlers run first, while the interpreter is whole (they tear the process groups
+    down), then the process leaves with os._exit. Finalisation is what is skipped: there, a gloo
+    or DeepSpeed object freed late can abort the rank ("terminate called without an active
+    exception", SIGABRT), which torchrun reports as the job's failure after a clean run."""
+    if isinstance(code, str):  # sys.exit("message") semantics: print it, exit 1
+        print(code, file=sys.stderr)
+        code = 1
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can be said
+            pass
+    os._exit(code or 0)

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.multirank
 ])
 def test_each_command_prints_its_header_once(tmp_path, args, header, kind):
     env = {**os.environ, "MOEBENCH_RESULTS": str(tmp_path / "results")}
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "moebench",
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+                          "moebench",
                           *args], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     both = out.stdout + out.stderr
