@@ -1,5 +1,6 @@
 # moebench - two commands on a fresh machine with Python 3.11:
-#   make all    create .venv, install, run every experiment and the parity suite
+#   make all    create .venv, install, then env-check, every variant's chapter preset, the parity
+#               suite and the report: did the chapter reproduce? (about 5 minutes on 2 CPU cores)
 #   make test   install if needed, run the default test suite
 #
 # Torch is always installed pinned (== a version, @ a URL, or a wheel file). Override the pin or
@@ -22,9 +23,20 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.moebench-installed-$(shell printf '%s %s %s' '$(TORCH_SPEC)' '$(TORCH_PIP_ARGS)' '$(CONSTRAINTS)' \
 	| cksum | cut -d' ' -f1)
 
-.PHONY: all install lint test test-all env-check run-all verify-parity clean
+.PHONY: all install lint test test-all env-check run-all verify-parity report clean
 
-all: install env-check run-all verify-parity
+# The steps run in order; a failing step does not stop the later ones (the report says what failed),
+# but `make all` exits non-zero when any did. The report reads only the runs this `make all` made.
+all: install
+	@failed=""; since=$$(date +%Y%m%d-%H%M%S); \
+	step() { label="$$1"; shift; echo "== $$label: $$*"; t0=$$(date +%s); "$$@"; rc=$$?; \
+		echo "== $$label: exit $$rc after $$(( $$(date +%s) - t0 )) s"; \
+		if [ $$rc -ne 0 ]; then failed="$$failed, $$label (exit $$rc)"; fi; }; \
+	step env-check $(BIN)/moebench env-check; \
+	for v in $$($(BIN)/moebench run --list); do step "run $$v" $(BIN)/moebench run $$v --preset chapter; done; \
+	step verify-parity $(BIN)/moebench verify-parity --world-size $(WORLD_SIZE); \
+	step report $(BIN)/moebench report --since $$since; \
+	if [ -n "$$failed" ]; then echo "make all: failed steps: $${failed#, }"; exit 1; fi
 
 install: $(STAMP)
 
@@ -48,13 +60,16 @@ test-all: install
 env-check: install
 	$(BIN)/moebench env-check
 
-# Every registered variant with its default preset (the registry is the single list).
+# Every registered variant with its default (quick) preset (the registry is the single list).
 run-all: install
 	@for v in $$($(BIN)/moebench run --list); do \
 		echo "== moebench run $$v"; $(BIN)/moebench run $$v || exit $$?; done
 
 verify-parity: install
 	$(BIN)/moebench verify-parity --world-size $(WORLD_SIZE)
+
+report: install
+	$(BIN)/moebench report
 
 clean:
 	rm -rf $(VENV) .pytest_cache

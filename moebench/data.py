@@ -69,9 +69,22 @@ class Batches:
         return self.inputs[idx], self.targets[idx]
 
     def data_range(self) -> dict:
-        """Smallest and largest input and target values (the chapter quotes both)."""
+        """Smallest and largest input and target values (the chapter quotes both): over the whole
+        training set, and over the first global batch (`batch_*`), the one tensor of the size the
+        chapter printed. Extremes grow with the sample count (about sqrt(2 ln n)), so only the
+        same-size tensor compares with the chapter's ranges."""
+        x, y = self.global_batch(0)
         return {"input_min": self.inputs.min().item(), "input_max": self.inputs.max().item(),
-                "target_min": self.targets.min().item(), "target_max": self.targets.max().item()}
+                "target_min": self.targets.min().item(), "target_max": self.targets.max().item(),
+                "batch_input_min": x.min().item(), "batch_input_max": x.max().item(),
+                "batch_target_min": y.min().item(), "batch_target_max": y.max().item()}
+
+    def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank's rows of global step `step` (0-based)."""
+        order = epoch_order(self.train, self.epoch_of(step))
+        first = (step % self.train.steps_per_epoch) * self.train.batch_size
+        idx = order[first:first + self.train.batch_size]
+        return self.inputs[idx], self.targets[idx]
 
 
 def seed_rank_randomness(seed: int, rank: int) -> None:

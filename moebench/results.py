@@ -110,6 +110,18 @@ def write_json_atomic(path: str | os.PathLike, data: Any) -> Path:
     return path
 
 
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write a text file so that a reader sees the old file or the whole new one, never half."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
 def read_json(path: str | os.PathLike) -> Any:
     with open(path) as f:
         return json.load(f)

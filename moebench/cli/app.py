@@ -96,13 +96,14 @@ def _root(
 
 
 def _compose() -> None:
-    from moebench.cli import bench, envcheck, parity, run, runs
+    from moebench.cli import bench, envcheck, parity, report, run, runs
 
     app.add_typer(envcheck.app)  # a Typer with one command: merged, so `env-check` is a leaf command
     app.add_typer(run.app, name="run")
     app.add_typer(parity.app)
     app.add_typer(runs.app)
     app.add_typer(bench.app)
+    app.add_typer(report.app)
 
 
 _compose()

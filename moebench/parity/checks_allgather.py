@@ -85,5 +85,7 @@ def _rank(ctx, opts: CheckOptions) -> list:
 register(Check(
     name="all-gather-variable", order=70, seed_source="002 st-moe-pytorch distributed.py",
     description="variable-size all-gather: rows in rank order, sizes, equal-size path; backward = sum over ranks",
+    catches="an all-gather that pads/trims or sizes wrongly, misorders ranks, "
+            "or whose backward does not sum over ranks",
     rank_fn=_rank, impl_keys=("all-gather",),
 ))

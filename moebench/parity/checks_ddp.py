@@ -156,10 +156,12 @@ def _rank_sgd(ctx, opts: CheckOptions) -> list:
 register(Check(
     name="ddp-adam", order=10, seed_source="003 test_c10d_spawn_gloo",
     description="DDP vs local copy, Adam lr 1e-3, 10 iterations (Linear(2,2) on (30,2), 3-layer LSTM)",
+    catches="a DDP wrapper that does not broadcast rank 0's initial parameters, or never all-reduces gradients",
     preload=("torch._dynamo",), rank_fn=_rank_adam, impl_keys=("ddp",),
 ))
 register(Check(
     name="ddp-sgd", order=20, seed_source="001 test_replicate _compare_module",
     description="DDP on rank slices of a global batch, 2 SGD steps with a reshuffle vs local",
+    catches="a DDP wrapper that skips or double-counts the gradient all-reduce, or averages over the wrong world size",
     preload=("torch._dynamo",), rank_fn=_rank_sgd, impl_keys=("ddp",),
 ))

@@ -164,6 +164,8 @@ register(Check(
     order=100,
     seed_source="DeepSpeed tests/unit/moe (ep_size vs one process)",
     description="DeepSpeed MoE, ep_size = world vs ep_size = 1: outputs, l_aux, exp_counts, input/gate/expert grads",
+    catches="DeepSpeed ep_size = W that misplaces experts, misroutes tokens or their grads, "
+            "or changes l_aux/exp_counts",
     rank_fn=_rank,
     min_world_size=2,
     requires=("deepspeed",),

@@ -145,5 +145,7 @@ register(Check(
     name="deepspeed-engine-ep", order=130, seed_source="DeepSpeed tests/unit/moe TestExpertWeightGradWithZero",
     description="DeepSpeed MoE through deepspeed.initialize, ZeRO 0/1/2, ep_size = W vs 1: loss, reduced grads "
                 "and parameters each step",
+    catches="a DeepSpeed engine (ZeRO 0-2) that reduces expert grads over the wrong group or scale, "
+            "or mis-updates weights",
     rank_fn=_rank, min_world_size=2, requires=("deepspeed",), preload=("deepspeed", "deepspeed.moe.layer"),
 ))

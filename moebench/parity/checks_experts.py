@@ -160,5 +160,7 @@ def _rank(ctx, opts: CheckOptions) -> list:
 register(Check(
     name="experts", order=80, seed_source="000 soft-moe-pytorch assert.py",
     description="distributed experts vs one process (idle rank, W<E, W not dividing E, variable batch; 2 steps)",
+    catches="sharded experts that misroute slots or grads, or fail with an idle rank, W not dividing E, "
+            "or ragged batches",
     rank_fn=_rank, impl_keys=("experts",),
 ))

@@ -146,5 +146,7 @@ register(Check(
     name="loss-curve", order=120, seed_source="torchtitan loss_compare.py --assert-equal",
     description=f"fastmoe and DeepSpeed MoE trained {STEPS} SGD steps at ep = W and ep = 1: equal loss curves "
                 "(and fastmoe's weights at the end)",
+    catches=f"ep = W training (fastmoe, DeepSpeed) whose loss drifts from ep = 1 over {STEPS} SGD steps, "
+            "e.g. a mis-scaled sync",
     rank_fn=_rank, impl_keys=("moe", "moe-sync"), preload=("deepspeed", "deepspeed.moe.layer"),
 ))

@@ -146,6 +146,8 @@ register(
         seed_source="004 chapter 6.4.1 (fastmoe FMoETransformerMLP)",
         description="fastmoe-style MoE, experts spread over ranks (all-to-all) vs one process: "
         "outputs, input/gate/expert grads",
+        catches="an all-to-all MoE that misroutes tokens or grads, or whose sync leaves gate/expert grads "
+        "per-rank/mis-scaled",
         rank_fn=_rank,
         impl_keys=("moe", "moe-sync"),
     )

@@ -125,20 +125,25 @@ def _rank_bad_device_id(ctx, opts: CheckOptions) -> list:
 register(Check(
     name="replicate-state-dict", order=30, seed_source="001 test_replicate",
     description="replicate() whole model and per submodule: state_dict keys and values equal the local module's",
+    catches="a replicate() that renames state_dict keys (e.g. adds a prefix) or never broadcasts rank 0's weights",
     preload=("torch._dynamo",), rank_fn=_rank_state_dict, impl_keys=("replicate",),
 ))
 register(Check(
     name="replicate-train", order=40, seed_source="001 test_replicate",
     description="replicate() training parity: whole model, each submodule, bucket_cap_mb=1 + gradient_as_bucket_view",
+    catches="a replicate() whose gradient averaging is missing or mis-scaled: whole model, per submodule "
+            "or small buckets",
     preload=("torch._dynamo",), rank_fn=_rank_train, impl_keys=("replicate",),
 ))
 register(Check(
     name="replicate-ignored", order=50, seed_source="001 test_replicate",
     description="ignored_modules=[fc1]: fc1 grads differ across ranks, fc2/fc3 grads equal",
+    catches="a replicate() that still syncs the gradients of ignored_modules, or leaves the other modules' unsynced",
     preload=("torch._dynamo",), rank_fn=_rank_ignored, impl_keys=("replicate",), min_world_size=2,
 ))
 register(Check(
     name="replicate-bad-device-id", order=60, seed_source="001 test_replicate",
     description='a list device_id raises RuntimeError "Expected device_id to be int or torch.device"',
+    catches="a replicate() that silently accepts a list device_id, or rejects it with another error or message",
     preload=("torch._dynamo",), rank_fn=_rank_bad_device_id, impl_keys=("replicate",),
 ))

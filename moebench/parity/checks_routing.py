@@ -223,5 +223,7 @@ register(Check(
     name="routing-invariants", order=110, seed_source="fastmoe gates, DeepSpeed TopKGate",
     description="gates: kept + dropped = tokens x k, capacity formula, kept <= capacity, combine weights, "
                 "dropped slots zero; shared capacity on W ranks = one process (masks exact)",
+    catches="a gate with wrong/overfilled capacity, miscounted drops, bad combine weights, "
+            "or capacity mis-shared by ranks",
     rank_fn=_rank, impl_keys=("switch-gate",),
 ))

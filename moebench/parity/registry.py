@@ -12,7 +12,8 @@ How to add a check (e.g. in moebench/parity/checks_foo.py):
         return [compare("output", out, ref_out, tol, rank=ctx.rank, asserted=asserted)]
         # raise SkipCheck("why") to skip (e.g. an optional package is missing)
 
-    register(Check(name="foo", order=50, seed_source="000 ...", description="...", rank_fn=_rank,
+    register(Check(name="foo", order=50, seed_source="000 ...", description="...",
+                   catches="a foo that ... (one line: the defect a failure points at)", rank_fn=_rank,
                    requires=("deepspeed",)))
 
 then add the module name to CHECK_MODULES below. A check passes when every rank returned, at
@@ -89,6 +90,8 @@ class Check:
     """The seed document it comes from, e.g. "003 test_c10d_spawn_gloo"."""
     description: str
     """One line: what it asserts."""
+    catches: str
+    """One line: the defect this check would catch (shown in reports)."""
     rank_fn: Callable[..., list]
     """fn(ctx: RankContext, opts: CheckOptions) -> list[Comparison], run on every rank."""
     min_world_size: int = 1

@@ -88,6 +88,9 @@ class CheckRecord:
     status: str  # pass / fail / skip
     seed_source: str
     description: str
+    catches: str
+    """The check's one line on the defect it would catch (Check.catches), so a report built from
+    summary.json alone can show it."""
     world_size: int
     elapsed_s: float
     reason: str = ""
@@ -136,8 +139,8 @@ def _rank_entry(ctx, check_name: str, opts: CheckOptions) -> dict:
 
 def _audit(check: Check, result, world_size: int) -> CheckRecord:
     base = dict(name=check.name, seed_source=check.seed_source, description=check.description,
-                world_size=world_size, elapsed_s=result.elapsed_s, launch_status=result.status,
-                backend=result.backend)
+                catches=check.catches, world_size=world_size, elapsed_s=result.elapsed_s,
+                launch_status=result.status, backend=result.backend)
     if not result.ok:
         return CheckRecord(**base, status="fail", reason=result.describe())
     skips = [r["skip"] for r in result.returns if r and "skip" in r]
@@ -240,8 +243,8 @@ def run_checks(config: ParityConfig, *, on_record: Callable[[CheckRecord], None]
             backend, reason = check_backend(check, config.comm_backend, resolved)
         if reason is not None:
             record = CheckRecord(name=check.name, status="skip", seed_source=check.seed_source,
-                                 description=check.description, world_size=world_size, elapsed_s=0.0,
-                                 reason=reason)
+                                 description=check.description, catches=check.catches,
+                                 world_size=world_size, elapsed_s=0.0, reason=reason)
         else:
             for module in check.preload:
                 importlib.import_module(module)

@@ -54,8 +54,11 @@ class FMoELinear(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        # One expert per module (num_expert == 1, as FMoETransformerMLP builds them).
-        return F.linear(inp, self.weight[0], None if self.bias is None else self.bias[0])
+        # One expert per module (num_expert == 1, as FMoETransformerMLP builds them). A view, not
+        # weight[0]: select's backward zero-fills a fresh weight-sized buffer per expert per step
+        # (1.1 s of each 2.3 s step at the chapter's 273 M parameters on 2 CPU cores).
+        weight = self.weight.view(self.out_feat, self.in_feat)
+        return F.linear(inp, weight, None if self.bias is None else self.bias.view(self.out_feat))
 
     def extra_repr(self) -> str:
         return (f"num_expert={self.num_expert}, in_features={self.in_feat}, "

@@ -74,16 +74,23 @@ def train_rank(ctx: RankContext, run_path, config_dict: dict, show_progress: boo
             totals.add(layers)
             counts = [sum(getattr(layer.last, name) for layer in layers)
                       for name in ("routes", "dropped", "tokens", "dropped_tokens")]
+            kept = [layer.last.kept_per_expert.tolist() for layer in layers]
             # One small collective per step: the loss of the global batch, not of rank 0's share.
-            stats = torch.tensor([mse.item(), aux.item(), *counts], dtype=torch.float64)
+            stats = torch.tensor([mse.item(), aux.item(), *counts, *(c for layer in kept for c in layer)],
+                                 dtype=torch.float64)
             if world > 1:
                 dist.all_reduce(stats)
             mse_avg, aux_avg = stats[0].item() / world, stats[1].item() / world
-            drops = drop_fractions(*stats[2:].tolist())
+            drops = drop_fractions(*stats[2:6].tolist())
+            flat_kept = [int(c) for c in stats[6:].tolist()]
+            tokens_per_expert, at = [], 0
+            for n in config.experts_per_layer:  # kept routes per global expert, every rank's tokens
+                tokens_per_expert.append(flat_kept[at:at + n])
+                at += n
             return {"moe_impl": "deepspeed", "loss": mse_avg, "aux_loss": aux_avg,
                     "total_loss": mse_avg + train.aux_loss_coef * aux_avg,
                     "dropped_route_frac": drops["dropped_route_frac"],
-                    "dropped_token_frac": drops["dropped_token_frac"]}
+                    "dropped_token_frac": drops["dropped_token_frac"], "tokens_per_expert": tokens_per_expert}
 
         spec = LoopSpec(total_steps=train.total_steps, steps_per_epoch=train.steps_per_epoch,
                         tokens_per_step=train.tokens_per_step, label="deepspeed-moe")
@@ -113,7 +120,7 @@ def train_rank(ctx: RankContext, run_path, config_dict: dict, show_progress: boo
         "device": str(device), "experts_per_layer": list(config.experts_per_layer), "params": params, **history,
         "epoch_total_loss": _epoch_means([h + train.aux_loss_coef * a for h, a in
                                           zip(history["losses"], history["aux_losses"])], train.steps_per_epoch),
-        "routing": routing,
+        "routing": routing, "data": batches.data_range(),
         "test": {"input_shape": list(x_test.shape), "output_shape": output_shape,
                  "loss": test_loss.item() / world, "routing": eval_routing},
         "timings": {**timings, "rank_total_s": time.perf_counter() - start},

@@ -59,8 +59,12 @@ def train_rank(ctx: RankContext, run_path, config_dict: dict, show_progress: boo
                 recorded.clear()
             else:
                 total += torch.tensor(counts)
-        return {"moe_impl": impl, "loss": global_mean(mse, ctx.world_size),
-                "aux_loss": global_mean(aux.detach(), ctx.world_size), "tokens_per_expert": per_layer}
+        record = {"moe_impl": impl, "loss": global_mean(mse, ctx.world_size),
+                  "aux_loss": global_mean(aux.detach(), ctx.world_size), "tokens_per_expert": per_layer}
+        if recorded:  # routes dropped at capacity this step (GShard / Switch; 0 for the naive gate)
+            routes = train.tokens_per_step * config.moe.top_k * len(per_layer)
+            record["dropped_route_frac"] = (routes - sum(sum(c) for c in per_layer)) / routes
+        return record
 
     spec = LoopSpec(total_steps=train.total_steps, steps_per_epoch=train.steps_per_epoch,
                     tokens_per_step=train.tokens_per_step, label=f"fastmoe ({impl})")

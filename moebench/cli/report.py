@@ -1,0 +1,50 @@
+"""`moebench report [RUN ...]`: did the chapter reproduce? A verdict per claim, the figures, the page."""
+
+from __future__ import annotations
+
+import json
+from typing import List, Optional
+
+import typer
+
+from moebench.cli import flags
+
+app = typer.Typer()
+
+
+@app.command("report")
+def report(
+    runs: Optional[List[str]] = typer.Argument(
+        None, metavar="[RUN]...",
+        help="Run folders (results/<kind>/<run-id>) to read; several of one kind are compared. "
+             "Default: the latest run of each kind under the results root."),
+    since: Optional[str] = typer.Option(
+        None, "--since", metavar="TIME",
+        help="Only runs started at or after TIME (2026-11-23T15:04:05 or 20261123-150405); an older latest run "
+             "counts as not run. `make all` passes its own start."),
+    results_dir: Optional[str] = flags.shared_option("results_dir"),
+    as_json: bool = flags.shared_option("as_json"),
+) -> None:
+    """Build results/report/<id>/: REPORT.md, report.html (self-contained) and PNG figures, with a
+    verdict per chapter claim (reproduced / differs / not run). Reads results files only."""
+    from moebench.errors import UserError
+    from moebench.report.build import build_report
+
+    if results_dir is not None and not results_dir.strip():
+        raise UserError("is empty; pass a folder (or leave it out for ./results)", flag="--results-dir")
+    outcome = build_report(list(runs or []), root=results_dir, since=since)
+    if as_json:
+        typer.echo(json.dumps({"report_path": str(outcome.path), "counts": outcome.counts,
+                               "verdicts": outcome.rows}, default=str))
+        return
+    from rich.console import Console
+
+    from moebench.report.render_console import verdict_table
+
+    console = Console(highlight=False)
+    console.print(verdict_table(outcome.rows))
+    c = outcome.counts
+    console.print(f"{c['reproduced']} reproduced, {c['differs']} differ, {c['not run']} not run; "
+                  "reasons in REPORT.md")
+    console.print(f"report: {outcome.path / 'REPORT.md'}")
+    console.print(f"        {outcome.path / 'report.html'}")

@@ -1,0 +1,335 @@
+"""`build_report`: read run folders, judge the chapter's claims, draw the figures, write the report.
+
+Output: results/report/<id>/ with REPORT.md, report.html (self-contained), the PNGs and a
+summary.json holding every verdict row (what `make all` prints at the end).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from pathlib import Path
+
+from moebench import published, results
+from moebench.report import collect, figures
+from moebench.report.compare import DIFFERS, NOT_RUN, REPRODUCED, difference_text, format_number, verdicts
+from moebench.report.render import Block, Bullets, Figure, Heading, Para, Table, html_document, markdown
+
+FIGURES = {"fastmoe": published.FASTMOE, "deepspeed": published.DEEPSPEED}
+PARAMS_PUBLISHED = {
+    kind: {fig.key.rsplit(".", 1)[-1]: fig.value for fig in figs if fig.key.startswith("params.")}
+    for kind, figs in FIGURES.items()
+}
+"""The chapter's parameter counts per category ("total", "moe", ...), for the bar charts."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class ReportResult:
+    path: Path
+    rows: list[dict]
+    counts: dict[str, int]
+    runs: dict[str, list[collect.Run]]
+
+
+def chapter_config(kind: str) -> dict:
+    """The chapter preset's resolved config, in config.json's shape."""
+    from moebench import config, variants
+
+    variant = variants.by_name(kind)
+    return config.as_dict(variants.resolve_config(variant, "chapter", {}))
+
+
+def variant_rows(kind: str, run: collect.Run | None) -> list[dict]:
+    """The verdict rows of one variant's claims from its primary run."""
+    figs = FIGURES[kind]
+    if run is None:
+        reason = f"no {kind} run found (or none this session): run `moebench run {kind} --preset chapter`"
+    elif not run.ok:
+        reason = run.not_ok_reason()
+    else:
+        deviations = collect.chapter_deviations(run, chapter_config(kind))
+        reason = (f"run {run.run_id} is not the chapter's experiment ({'; '.join(deviations[:4])}"
+                  f"{'; ...' if len(deviations) > 4 else ''}): run `moebench run {kind} --preset chapter`"
+                  if deviations else "")
+    rows = verdicts(run.summary if run else None, figs, not_run_reason=reason)
+    for row in rows:
+        row["variant"] = kind
+        row["run_id"] = run.run_id if run else None
+    return rows
+
+
+def parity_row(run: collect.Run | None) -> dict:
+    base = {"variant": "parity", "key": "parity", "label": "parity vs one process", "unit": "checks",
+            "section": "seeds 000-003 (allclose assertions) and 6.4.1", "published": "all pass",
+            "difference": None, "ratio": None, "tolerance": "per check", "run_id": run.run_id if run else None}
+    if run is None:
+        return {**base, "measured": None, "verdict": NOT_RUN,
+                "reason": "no parity run found: run `moebench verify-parity --world-size 4`"}
+    counts = run.summary.get("counts") or {}
+    checks = run.summary.get("checks") or []
+    passed, failed, skipped = counts.get("pass", 0), counts.get("fail", 0), counts.get("skip", 0)
+    measured = f"{passed} pass, {failed} fail, {skipped} skip at world size {run.summary.get('world_size', '?')}"
+    vacuous = run.summary.get("vacuous_total", 0)
+    if failed:
+        names = ", ".join(c["name"] for c in checks if c.get("status") == "fail")
+        return {**base, "measured": measured, "verdict": DIFFERS, "reason": f"failed: {names}"}
+    if not run.ok or not checks:
+        return {**base, "measured": measured if checks else None, "verdict": NOT_RUN, "reason": run.not_ok_reason()}
+    if vacuous:
+        return {**base, "measured": measured, "verdict": DIFFERS,
+                "reason": f"{vacuous} vacuous assertion(s) compared nothing"}
+    return {**base, "measured": measured, "verdict": REPRODUCED,
+            "reason": f"{passed} checks pass" + (f"; {skipped} skipped (see the parity section)" if skipped else "")}
+
+
+def _measured_text(row: dict) -> str:
+    return row["measured"] if isinstance(row["measured"], str) else format_number(row["measured"], row["unit"])
+
+
+def _published_text(row: dict) -> str:
+    return row["published"] if isinstance(row["published"], str) else format_number(row["published"], row["unit"])
+
+
+def verdict_table(rows: list[dict]) -> Table:
+    return Table(
+        headers=("claim", "variant", "measured", "chapter", "difference", "tolerance", "verdict", "why"),
+        rows=tuple((r["label"], r["variant"], _measured_text(r), _published_text(r),
+                    difference_text(r) if r["unit"] != "checks" else "—", r["tolerance"], r["verdict"],
+                    r["reason"]) for r in rows),
+        classes=tuple(r["verdict"] for r in rows))
+
+
+def _chapter_marks(kind: str, run: collect.Run) -> list[tuple[float, float, str]]:
+    """Where the chapter's loss figures sit on a loss-per-step plot."""
+    steps = run.summary.get("steps") or len(run.metrics)
+    per_epoch = run.summary.get("steps_per_epoch") or steps
+    marks = []
+    for fig in FIGURES[kind]:
+        if fig.key == "loss.first":
+            marks.append((1, fig.value, f"chapter start {fig.value}"))
+        elif fig.key == "loss.last":
+            marks.append((steps, fig.value, f"chapter end {fig.value} (its step count is not published)"))
+        elif fig.key.startswith("epoch_loss."):
+            epoch = int(fig.key.split(".")[1])
+            if epoch * per_epoch <= steps:
+                marks.append(((epoch - 0.5) * per_epoch + 0.5, fig.value, f"chapter epoch {epoch} mean {fig.value}"))
+    return marks
+
+
+def _env_blocks(run: collect.Run | None) -> list[Block]:
+    blocks: list[Block] = [Heading("Environment")]
+    if run is None:
+        return blocks + [Para("No env-check run found: run `moebench env-check`.")]
+    counts = run.summary.get("counts") or {}
+    blocks.append(Para(f"env-check {run.run_id}: " + ", ".join(f"{counts.get(s, 0)} {s}" for s in
+                                                                 ("ok", "warn", "fail", "skip"))
+                       + ("" if run.ok else f" ({run.not_ok_reason()})")))
+    try:
+        checks = results.read_json(run.path / run.summary.get("report", "envcheck.json")).get("checks", [])
+    except (OSError, ValueError):
+        checks = []
+    order = {"fail": 0, "warn": 1, "ok": 2, "skip": 3}
+    checks = sorted(checks, key=lambda c: order.get(c.get("status"), 4))
+    if checks:
+        blocks.append(Table(headers=("status", "item", "found", "how to fix"),
+                            rows=tuple((c.get("status", ""), c.get("id", ""), c.get("found", ""),
+                                        c.get("hint", "") if c.get("status") in ("fail", "warn") else "")
+                                       for c in checks),
+                            classes=tuple(c.get("status", "") for c in checks)))
+    return blocks
+
+
+def _variant_blocks(kind: str, run: collect.Run | None, out: Path) -> list[Block]:
+    blocks: list[Block] = [Heading(f"{kind}")]
+    if run is None:
+        return blocks + [Para(f"Not run: no {kind} run found (run `moebench run {kind} --preset chapter`).")]
+    summary = run.summary
+    config = run.config or {}
+    facts = [f"run {run.run_id}, preset {config.get('preset', '?')}, status {run.status}"
+             + ("" if run.ok else f": {run.not_ok_reason()}")]
+    if summary.get("moe_impl"):
+        facts.append(f"backend (moe_impl) {summary['moe_impl']}; device {summary.get('device')}; "
+                     f"world size {summary.get('world_size')}, ep_size {summary.get('ep_size')}, "
+                     f"comm {summary.get('comm_backend')}")
+    if summary.get("steps"):
+        steady = summary.get("tokens_per_s_steady")
+        facts.append(f"{summary['steps']} steps ({summary.get('epochs')} epoch(s) of {summary.get('steps_per_epoch')})"
+                     f" in {summary.get('train_time_s', 0):.1f} s; tokens/s steady "
+                     + (f"{steady:,.0f}" if steady else "—") + f", overall {summary.get('tokens_per_s', 0):,.0f}")
+    if (summary.get("test") or {}).get("loss") is not None:
+        facts.append(f"eval loss on a held-out batch {summary['test']['loss']:.4f}; test shape "
+                     f"{tuple(summary['test']['input_shape'])} -> {tuple(summary['test']['output_shape'])}")
+    if config.get("description"):
+        facts.append(f"preset: {config['description']}")
+    elif config.get("preset") == "chapter":
+        facts.append("assumptions: " + _preset_description(kind))
+    blocks.append(Bullets(tuple(facts)))
+    by_category = (summary.get("params") or {}).get("by_category")
+    if not by_category:
+        try:
+            by_category = results.read_json(run.path / "params.json").get("by_category")
+        except (OSError, ValueError):
+            by_category = None
+    if by_category:
+        png = figures.plot_params(by_category, PARAMS_PUBLISHED.get(kind, {}), out / f"params-{kind}.png",
+                                  title=f"{kind}: parameters by category")
+        if png:
+            blocks.append(Figure(png, f"{kind} parameter counts (params.json), beside the chapter's where it "
+                                      "publishes one (hatched)."))
+    train = config.get("train") or {}
+    png = figures.plot_loss(run.metrics, out / f"loss-{kind}.png", title=f"{kind}: training loss per step",
+                            steps_per_epoch=summary.get("steps_per_epoch"),
+                            eval_loss=(summary.get("test") or {}).get("loss"), aux_coef=train.get("aux_loss_coef"),
+                            chapter_marks=_chapter_marks(kind, run) if run.ok else [])
+    if png:
+        blocks.append(Figure(png, f"{kind} loss (metrics.jsonl): the global-batch MSE per step; hollow red marks "
+                                  "are the chapter's published values, not measurements."
+                                  + ("" if run.ok else f" The run {run.status}: the curve stops where it did.")))
+    return blocks
+
+
+def _preset_description(kind: str) -> str:
+    from moebench import config as config_mod
+
+    try:
+        return config_mod.preset_description(kind, "chapter")
+    except Exception:  # noqa: BLE001 - a description is a nicety
+        return ""
+
+
+def _expert_blocks(chosen: dict[str, list[collect.Run]], out: Path) -> list[Block]:
+    blocks: list[Block] = [Heading("Expert load")]
+    drawn = False
+    for kind in collect.VARIANT_KINDS:
+        for run in chosen[kind][:1]:
+            png = figures.plot_expert_load(run.metrics, out / f"experts-{kind}.png",
+                                           title=f"{kind}: tokens per expert over training")
+            routing = run.summary.get("routing") or {}
+            if routing:
+                blocks.append(Para(f"{kind}: {100 * routing.get('dropped_route_frac', 0):.2f} % of "
+                                   f"{routing.get('routes', 0):,} routes dropped at capacity over training."))
+            if png:
+                drawn = True
+                blocks.append(Figure(png, f"{kind}: share of each layer's kept routes per expert and step "
+                                          "(metrics.jsonl tokens_per_expert); below, routes dropped at capacity."))
+    if not drawn:
+        blocks.append(Para("No run recorded tokens per expert."))
+    return blocks
+
+
+def _parity_blocks(run: collect.Run | None, out: Path) -> list[Block]:
+    blocks: list[Block] = [Heading("Parity")]
+    if run is None:
+        return blocks + [Para("Not run: no parity run found (run `moebench verify-parity --world-size 4`).")]
+    checks = run.summary.get("checks") or []
+    blocks.append(Para(f"verify-parity {run.run_id}: world size {run.summary.get('world_size')}, "
+                       f"{run.summary.get('comm_backend')}, tolerance {run.summary.get('tolerance')}; status "
+                       f"{run.status}" + ("" if run.ok else f" ({run.not_ok_reason()})")))
+    rows = []
+    for check in checks:
+        ratio = figures.check_ratio(check)
+        vacuous = check.get("vacuous", 0)
+        rows.append((check["name"], check.get("status", ""),
+                     "— (none with a tolerance)" if ratio is None else "exact" if ratio == 0 else f"{ratio:.2e}",
+                     f"{check.get('comparisons_total', 0)}" + (f" ({vacuous} VACUOUS)" if vacuous else ""),
+                     check.get("catches") or check.get("description", ""),
+                     check.get("reason") or ""))
+    if rows:
+        blocks.append(Table(headers=("check", "status", "largest diff / tolerance", "comparisons", "would catch",
+                                     "note"), rows=tuple(rows), classes=tuple(c.get("status", "") for c in checks)))
+    png = figures.plot_parity(checks, out / "parity.png", title="parity: largest difference over its tolerance")
+    if png:
+        blocks.append(Figure(png, "Per check, the largest |difference| over its allowed difference (log scale); "
+                                  "a check passes below 1. Exactly equal results sit at the left edge. Assertions that two "
+                                  "things must differ, or that a call raises, have no tolerance and are not drawn."))
+    return blocks
+
+
+def _comparison_blocks(chosen: dict[str, list[collect.Run]], out: Path) -> list[Block]:
+    blocks: list[Block] = []
+    for kind in collect.VARIANT_KINDS:
+        runs = chosen[kind]
+        if len(runs) < 2:
+            continue
+        blocks.append(Heading(f"Comparison: {len(runs)} {kind} runs"))
+        flat = [_flatten(r.config or {}) for r in runs]
+        keys = sorted({k for f in flat for k in f if not k.startswith(("schema", "description"))})
+        differing = [k for k in keys if len({repr(f.get(k)) for f in flat}) > 1]
+        headers = ("setting", *(r.run_id for r in runs))
+        rows = [(k, *(str(f.get(k, "—")) for f in flat)) for k in differing]
+        for label, get in (("status", lambda r: r.status), ("backend", lambda r: r.summary.get("moe_impl", "—")),
+                           ("final loss", lambda r: _fmt(r.summary.get("loss", {}).get("last"))),
+                           ("eval loss", lambda r: _fmt((r.summary.get("test") or {}).get("loss"))),
+                           ("tokens/s steady", lambda r: _fmt(r.summary.get("tokens_per_s_steady"), ",.0f"))):
+            rows.append((label, *(get(r) for r in runs)))
+        blocks.append(Table(headers=headers, rows=tuple(rows)))
+        png = figures.plot_overlay([(r.run_id, r.metrics) for r in runs], out / f"compare-{kind}.png",
+                                   title=f"{kind}: loss per step, {len(runs)} runs")
+        if png:
+            blocks.append(Figure(png, f"{kind} runs overlaid; the settings that differ are in the table above."))
+    return blocks
+
+
+def _fmt(value, spec: str = ".4f") -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in d.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def build_report(paths: list[str], *, root: str | None = None, since: str | None = None) -> ReportResult:
+    """Read the runs (the given folders, or the latest of each kind, started at or after `since`),
+    write the report folder."""
+    root_path = results.results_root(root)
+    if since is not None and paths:
+        from moebench.errors import UserError
+
+        raise UserError("applies to the latest runs only; drop it, or the RUN folders", flag="--since")
+    chosen = collect.select(paths, root_path, collect.parse_since(since) if since is not None else None)
+    run_dir = results.RunDir.create("report", root=root)
+    run_dir.start({"inputs": [str(r.path) for kind in collect.KINDS for r in chosen[kind]]})
+    out = run_dir.path
+    try:
+        rows = [row for kind in collect.VARIANT_KINDS
+                for row in variant_rows(kind, chosen[kind][0] if chosen[kind] else None)]
+        rows.append(parity_row(chosen["parity"][0] if chosen["parity"] else None))
+        counts = {v: sum(r["verdict"] == v for r in rows) for v in (REPRODUCED, DIFFERS, NOT_RUN)}
+
+        primary = {kind: (chosen[kind][0] if chosen[kind] else None) for kind in collect.KINDS}
+        blocks: list[Block] = [
+            Heading("moebench report: did chapter 6 reproduce?", 1),
+            Para(f"Compared with {published.CHAPTER}, sections 6.4.1-6.4.4. Built "
+                 f"{datetime.datetime.now().isoformat(timespec='seconds')} from results files only."),
+            Table(headers=("kind", "run", "status", "folder"),
+                  rows=tuple((kind, r.run_id, r.status, str(r.path)) for kind in collect.KINDS for r in chosen[kind]),
+                  classes=tuple(r.status for kind in collect.KINDS for r in chosen[kind])),
+            Heading("Verdicts"),
+            Para(f"{counts[REPRODUCED]} reproduced, {counts[DIFFERS]} differ, {counts[NOT_RUN]} not run. "
+                 "Tolerances are fixed in moebench/published.py, each with its reason; a claim outside its "
+                 "tolerance is reported as `differs` with the likely cause, never hidden."),
+            verdict_table(rows),
+            *_env_blocks(primary["env"]),
+        ]
+        for kind in collect.VARIANT_KINDS:
+            blocks += _variant_blocks(kind, primary[kind], out)
+        blocks += _expert_blocks(chosen, out)
+        blocks += _parity_blocks(primary["parity"], out)
+        blocks += _comparison_blocks(chosen, out)
+
+        results.write_text_atomic(out / "REPORT.md", markdown(blocks))
+        results.write_text_atomic(out / "report.html", html_document(blocks, title="moebench report"))
+        run_dir.finish(results.STATUS_OK, {"verdicts": rows, "counts": counts, "report": "REPORT.md",
+                                           "html": "report.html",
+                                           "figures": sorted(p.name for p in out.glob("*.png"))})
+    except BaseException as exc:  # the folder says how it ended, then the error goes on
+        status = results.STATUS_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else results.STATUS_FAILED
+        run_dir.finish(status, {"error": f"{type(exc).__name__}: {exc}"})
+        raise
+    return ReportResult(path=out, rows=rows, counts=counts, runs=chosen)

@@ -1,0 +1,159 @@
+"""Which run folders a report reads, and what they hold (files only: results copied from another
+machine work, and nothing here imports torch)."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+from pathlib import Path
+from typing import Any
+
+from moebench import results
+from moebench.errors import UserError
+
+VARIANT_KINDS = ("fastmoe", "deepspeed")
+"""The training variants a report has a section for (moebench.variants.VARIANTS, without the import)."""
+KINDS = ("env", *VARIANT_KINDS, "parity")
+"""Every kind of run a report reads, in report order."""
+
+IGNORED_FOR_CHAPTER = {
+    ("moe", "moe_impl"): "which implementation computes the layer is what a run compares, not its experiment",
+    ("moe", "ep_size"): "expert parallelism changes where experts live, not the model (parity-checked)",
+    ("train", "seed"): "another seed is another draw of the same experiment",
+    ("engine", "compiled_ops"): "the compiled and torch ops compute the same update",
+}
+"""Config fields in which a run may differ from the chapter preset and still be the chapter's
+experiment; every other field (and every launch field, ignored) must equal the preset's."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class Run:
+    """One run folder, as read from its files."""
+
+    path: Path
+    kind: str
+    status: str
+    """ok / failed / interrupted / abandoned / running / unreadable."""
+    summary: dict
+    config: dict | None
+    metrics: list[dict]
+    error: str = ""
+
+    @property
+    def run_id(self) -> str:
+        return self.path.name
+
+    @property
+    def ok(self) -> bool:
+        return self.status == results.STATUS_OK
+
+    def not_ok_reason(self) -> str:
+        what = {"failed": "failed", "interrupted": "was interrupted", "abandoned": "was abandoned (its writer died)",
+                "running": "is still running", "unreadable": "has no readable summary.json"}.get(self.status,
+                                                                                                 self.status)
+        return f"run {self.run_id} {what}" + (f": {self.error.strip().splitlines()[-1]}" if self.error else "")
+
+
+def _read_jsonl_lenient(path: Path) -> list[dict]:
+    """metrics.jsonl; a line cut short by a killed writer is skipped, not fatal."""
+    records = []
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    records.append(json.loads(line))
+                except ValueError:
+                    continue
+    except OSError:
+        pass
+    return records
+
+
+def load_run(path: Path) -> Run:
+    try:
+        summary = results.read_json(path / "summary.json")
+    except (OSError, ValueError):
+        summary = {}
+    try:
+        config = results.read_json(path / "config.json")
+    except (OSError, ValueError):
+        config = None
+    status = results.status_of(path) if summary else "unreadable"
+    return Run(path=path, kind=summary.get("kind") or path.parent.name, status=status, summary=summary,
+               config=config, metrics=_read_jsonl_lenient(path / "metrics.jsonl"),
+               error=str(summary.get("error") or ""))
+
+
+def latest(root: Path, kind: str, since: datetime.datetime | None = None) -> Run | None:
+    """The newest run of one kind, whatever its status (a failed latest run is reported as failed);
+    with `since`, only a run started at or after it (an older one is not this session's)."""
+    for path in results.latest_runs(kind, root):
+        if (path / "summary.json").exists():
+            run = load_run(path)
+            if since is not None and _started(run) < since:
+                return None
+            return run
+    return None
+
+
+def _started(run: Run) -> datetime.datetime:
+    try:
+        return datetime.datetime.fromisoformat(run.summary["started_at"])
+    except (KeyError, TypeError, ValueError):
+        return datetime.datetime.min
+
+
+def parse_since(text: str) -> datetime.datetime:
+    """--since: ISO local time (2026-11-23T15:04:05) or a run id's prefix (20261123-150405)."""
+    for fmt in ("%Y%m%d-%H%M%S", None):
+        try:
+            return datetime.datetime.strptime(text, fmt) if fmt else datetime.datetime.fromisoformat(text)
+        except ValueError:
+            continue
+    raise UserError(f"{text!r} is not a time; give 2026-11-23T15:04:05 or 20261123-150405", flag="--since")
+
+
+def select(paths: list[str], root: Path, since: datetime.datetime | None = None) -> dict[str, list[Run]]:
+    """Runs per kind: the given folders (in the order given), or the latest of each kind."""
+    chosen: dict[str, list[Run]] = {kind: [] for kind in KINDS}
+    if not paths:
+        for kind in KINDS:
+            run = latest(root, kind, since)
+            if run is not None:
+                chosen[kind].append(run)
+        return chosen
+    for raw in paths:
+        path = Path(raw)
+        if not (path / "summary.json").is_file():
+            raise UserError(f"{raw} is not a run folder (no summary.json in it); pass results/<kind>/<run-id> "
+                            "folders, or nothing for the latest run of each kind", flag="RUN")
+        run = load_run(path)
+        if run.kind not in chosen:
+            raise UserError(f"{raw} is a {run.kind!r} run; a report reads {', '.join(KINDS)} runs", flag="RUN")
+        if any(r.path.resolve() == path.resolve() for r in chosen[run.kind]):
+            raise UserError(f"{raw} is given twice", flag="RUN")
+        chosen[run.kind].append(run)
+    return chosen
+
+
+def chapter_deviations(run: Run, chapter: dict) -> list[str]:
+    """How a run's config differs from the chapter preset's, as "field value (chapter value)"."""
+    if run.config is None:
+        return ["config.json is missing"]
+    out = []
+    for section, fields in chapter.items():
+        if section in ("launch", "schema", "kind", "preset", "description") or not isinstance(fields, dict):
+            continue
+        mine = run.config.get(section) or {}
+        for name, want in fields.items():
+            if (section, name) in IGNORED_FOR_CHAPTER:
+                continue
+            got = mine.get(name)
+            if got != want:
+                out.append(f"{name} {_short(got)} (chapter {_short(want)})")
+    return out
+
+
+def _short(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (list, dict)) else str(value)

@@ -1,0 +1,127 @@
+"""Measured values against the chapter's published figures: the difference, and a verdict each.
+
+A verdict is `reproduced` (within the figure's tolerance, moebench.published), `differs` (outside
+it: the row carries the known difference or the likely cause) or `not run` (no measurement).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from moebench.published import PublishedFigure
+
+REPRODUCED = "reproduced"
+DIFFERS = "differs"
+NOT_RUN = "not run"
+VERDICTS = (REPRODUCED, DIFFERS, NOT_RUN)
+
+
+def _epoch_drop(summary: dict) -> float | None:
+    first, fifth = lookup(summary, "epoch_loss.1"), lookup(summary, "epoch_loss.5")
+    if first is None or fifth is None or not first:
+        return None
+    return 100.0 * (first - fifth) / first
+
+
+DERIVED = {"derived.epoch_loss_drop_pct": _epoch_drop}
+"""Measured values a summary does not hold but implies (computed here, so old results work too)."""
+
+
+def lookup(measured: dict, dotted_key: str) -> Any:
+    """measured["params"]["total"] for "params.total"; list indices are 1-based ("epoch_loss.5")."""
+    if dotted_key in DERIVED:
+        return DERIVED[dotted_key](measured)
+    value: Any = measured
+    for part in dotted_key.split("."):
+        if isinstance(value, list):
+            idx = int(part) - 1
+            value = value[idx] if 0 <= idx < len(value) else None
+        elif isinstance(value, dict):
+            value = value.get(part)
+        else:
+            return None
+        if value is None:
+            return None
+    return value
+
+
+def judge(fig: PublishedFigure, value: Any) -> tuple[str, str]:
+    """(verdict, reason) for one measured value."""
+    if value is None:
+        return NOT_RUN, "not measured by this run"
+    if isinstance(fig.value, tuple):
+        ok = list(value) == list(fig.value)
+    elif isinstance(value, (int, float)):
+        ok = abs(value - fig.value) <= fig.allowed() + 1e-12 * abs(fig.value)  # float noise only
+    else:
+        ok = False
+    if ok:
+        return REPRODUCED, fig.tolerance_reason
+    return DIFFERS, fig.known_difference or fig.if_differs or "outside the tolerance"
+
+
+def compare(measured: dict, figures: Iterable[PublishedFigure]) -> list[dict]:
+    """One row per published figure: measured, published, difference, ratio, tolerance, verdict."""
+    rows = []
+    for fig in figures:
+        value = lookup(measured, fig.key)
+        numeric = isinstance(value, (int, float)) and not isinstance(fig.value, tuple)
+        diff = value - fig.value if numeric else None
+        verdict, reason = judge(fig, value)
+        rows.append({
+            "key": fig.key, "label": fig.label, "unit": fig.unit, "section": fig.section,
+            "measured": value, "published": list(fig.value) if isinstance(fig.value, tuple) else fig.value,
+            "difference": diff, "ratio": value / fig.value if numeric and fig.value else None,
+            "tolerance": fig.tolerance_text(), "verdict": verdict, "reason": reason,
+        })
+    return rows
+
+
+def verdicts(summary: dict | None, figures: Iterable[PublishedFigure], *, not_run_reason: str = "") -> list[dict]:
+    """`compare` rows for one variant, or every row `not run` with `not_run_reason`."""
+    if summary is None or not_run_reason:
+        rows = compare({}, figures)
+        for row in rows:
+            row["reason"] = not_run_reason or "no run"
+        return rows
+    return compare(summary, figures)
+
+
+def format_number(value, unit: str = "") -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, (list, tuple)):
+        return "(" + ", ".join(str(v) for v in value) + ")"
+    if unit == "params":
+        return f"{value / 1e6:,.3f} M"
+    if unit == "%":
+        return f"{value:.1f} %"
+    if unit == "value":
+        return f"{value:.3f}"
+    return f"{value:.6g}"
+
+
+def difference_text(row: dict) -> str:
+    diff = row["difference"]
+    if diff is None:
+        if row["measured"] is None:
+            return "—"
+        return "equal" if row["verdict"] == REPRODUCED else "not equal"
+    if row["unit"] == "%":  # a difference of percentages is in percentage points
+        return f"{diff:+.1f} pp"
+    text = ("+" if diff >= 0 else "") + format_number(diff, row["unit"])
+    relative = row["ratio"] is not None and row["unit"] != "value"  # a relative change of a signed extreme misleads
+    return text + (f" ({100 * (row['ratio'] - 1):+.1f} %)" if relative else "")
+
+
+def comparison_table(rows: list[dict], title: str):
+    """A rich Table of `compare` rows (differences shown, never hidden)."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("figure", "measured", "chapter", "difference", "chapter section"):
+        table.add_column(col, justify="right" if col in ("measured", "chapter", "difference") else "left")
+    for r in rows:
+        table.add_row(r["label"], format_number(r["measured"], r["unit"]),
+                      format_number(r["published"], r["unit"]), difference_text(r), r["section"])
+    return table

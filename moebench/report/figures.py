@@ -1,0 +1,227 @@
+"""The report's figures, from results files: PNGs written atomically, None when there is nothing to draw.
+
+The chapter's published values are drawn as hollow marks labelled "chapter (published)", never as a
+measured line.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+COLORS = {"measured": "#1f77b4", "chapter": "#d62728", "eval": "#2ca02c", "aux": "#9467bd", "drop": "#ff7f0e"}
+PARAM_CATEGORIES = ("total", "moe", "attention", "norm")
+"""The categories the chapter counts (params.json by_category keys; total first)."""
+TOLERANCE_FLOOR = 1e-9
+"""A difference of exactly 0 is drawn at this fraction of its tolerance (a log axis has no 0)."""
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers and CI
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> Path:
+    plt = _plt()
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(path)  # atomic: a reader never sees half a PNG
+    return path
+
+
+def _integer_steps(ax) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def plot_loss(metrics: list[dict], path: Path, *, title: str = "", steps_per_epoch: int | None = None,
+              eval_loss: float | None = None, aux_coef: float | None = None,
+              chapter_marks: list[tuple[float, float, str]] = ()) -> Path | None:
+    """Per-step training loss (MSE), with epoch boundaries, the held-out eval loss, the chapter's
+    published values (hollow marks at (step, value, label)) and the aux loss on its own axis."""
+    if not metrics:
+        return None
+    plt = _plt()
+    steps = [m["step"] for m in metrics]
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    ax.plot(steps, [m["loss"] for m in metrics], color=COLORS["measured"], lw=1.4, label="training loss (measured)")
+    last = steps[-1]
+    if steps_per_epoch and last > steps_per_epoch:
+        for boundary in range(steps_per_epoch, last, steps_per_epoch):
+            ax.axvline(boundary + 0.5, color="grey", ls=":", lw=0.8)
+        ax.text(steps_per_epoch + 0.5, 1.0, " epoch boundaries", transform=ax.get_xaxis_transform(), va="top",
+                fontsize=8, color="grey")
+    if eval_loss is not None:
+        ax.plot([last], [eval_loss], marker="D", color=COLORS["eval"], ls="none",
+                label=f"eval loss, held-out batch ({eval_loss:.3f})")
+    for i, (step, value, label) in enumerate(chapter_marks):
+        ax.plot([step], [value], marker="o", mfc="none", mec=COLORS["chapter"], mew=1.8, ms=9, ls="none",
+                label="chapter (published)" if i == 0 else None)
+        right = step > 0.6 * last  # near the right edge the label goes left of its mark, inside the axes
+        ax.annotate(label, (step, value), textcoords="offset points", xytext=(-8 if right else 8, 6), fontsize=8,
+                    color=COLORS["chapter"], ha="right" if right else "left")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("MSE loss")
+    _integer_steps(ax)
+    ax.grid(alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    aux = [m.get("aux_loss") or 0.0 for m in metrics]
+    if any(aux):
+        ax2 = ax.twinx()  # its own axis: DeepSpeed's raw l_aux (~2) would dwarf the MSE
+        ax2.plot(steps, aux, color=COLORS["aux"], lw=1.0, alpha=0.7)
+        coef = f" (× {aux_coef:g} in the objective)" if aux_coef is not None else ""
+        ax2.set_ylabel(f"aux loss, raw{coef}", color=COLORS["aux"])
+        ax2.tick_params(axis="y", colors=COLORS["aux"])
+        handles.append(plt.Line2D([], [], color=COLORS["aux"]))
+        labels.append("aux (balance) loss, right axis")
+    ax.legend(handles, labels, fontsize=8, loc="upper right")
+    ax.set_title(title, fontsize=11)
+    return _save(fig, path)
+
+
+def plot_params(by_category: dict, published: dict, path: Path, *, title: str) -> Path | None:
+    """Parameter counts per category, measured beside the chapter's (log scale: 273 M next to 4 k)."""
+    cats = [c for c in PARAM_CATEGORIES if c in by_category]
+    if not cats:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 0.6 * len(cats) + 1.6))
+    ys = range(len(cats))
+    height = 0.38 if published else 0.6
+    measured = [by_category[c] for c in cats]
+    ax.barh([y - (height / 2 if published else 0) for y in ys], measured, height, color=COLORS["measured"],
+            label="measured")
+    for y, value in zip(ys, measured):
+        ax.text(value, y - (height / 2 if published else 0), f" {value:,}", va="center", fontsize=8)
+    if published:
+        pub_y = [y + height / 2 for y, c in zip(ys, cats) if c in published]
+        pub_v = [published[c] for c in cats if c in published]
+        ax.barh(pub_y, pub_v, height, color="none", edgecolor=COLORS["chapter"], hatch="//",
+                label="chapter (published)")
+        for y, value in zip(pub_y, pub_v):
+            ax.text(value, y, f" ≈ {value / 1e6:g} M", va="center", fontsize=8, color=COLORS["chapter"])
+    ax.set_yticks(list(ys), cats)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlim(right=max(measured + list(published.values())) * 20)
+    ax.set_xlabel("parameters (log scale)")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title(title, fontsize=11)
+    return _save(fig, path)
+
+
+def plot_expert_load(metrics: list[dict], path: Path, *, title: str) -> Path | None:
+    """Tokens per expert over training, a heatmap per MoE layer (share of the layer's kept routes),
+    and the fraction of routes dropped at capacity per step."""
+    rows = [m for m in metrics if isinstance(m.get("tokens_per_expert"), list)]
+    if not rows:
+        return None
+    layers = len(rows[0]["tokens_per_expert"])
+    drops = [(m["step"], m["dropped_route_frac"]) for m in metrics if m.get("dropped_route_frac") is not None]
+    if not any(f for _, f in drops):  # a gate without capacity (naive): the text says 0 %, no empty panel
+        drops = []
+    plt = _plt()
+    n_axes = layers + (1 if drops else 0)
+    fig, axes = plt.subplots(n_axes, 1, figsize=(8, 2.4 * layers + (1.8 if drops else 0) + 0.6), squeeze=False,
+                             gridspec_kw={"height_ratios": [3] * layers + ([1.6] if drops else [])})
+    steps = [m["step"] for m in rows]
+    for layer in range(layers):
+        ax = axes[layer][0]
+        counts = [m["tokens_per_expert"][layer] or [] for m in rows]
+        experts = max((len(c) for c in counts), default=0)
+        if not experts:
+            ax.set_axis_off()
+            continue
+        grid = [[(c[e] / sum(c) if c and sum(c) else 0.0) for c in counts] for e in range(experts)]
+        image = ax.imshow(grid, aspect="auto", origin="lower", cmap="viridis", interpolation="nearest",
+                          extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, experts - 0.5))
+        ax.set_ylabel(f"layer {layer}\nexpert")
+        fig.colorbar(image, ax=ax, label="share of kept routes", pad=0.01)
+        _integer_steps(ax)
+        ax.yaxis.get_major_locator().set_params(integer=True)
+        ax.set_xlabel("optimizer step" if layer == layers - 1 and not drops else "")
+    if drops:
+        ax = axes[layers][0]
+        ax.plot([s for s, _ in drops], [100 * f for _, f in drops], color=COLORS["drop"], lw=1.2)
+        ax.set_ylabel("dropped at\ncapacity (%)")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylim(bottom=0, top=max(1.0, 110 * max(f for _, f in drops)))
+        ax.set_xlim(steps[0] - 0.5, steps[-1] + 0.5)
+        _integer_steps(ax)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_title(title, fontsize=11)
+    return _save(fig, path)
+
+
+def tolerance_ratio(comparison: dict) -> float | None:
+    """Largest difference over its tolerance (allclose: atol + rtol x the largest expected value)."""
+    diff, atol, rtol = comparison.get("max_abs_diff"), comparison.get("atol"), comparison.get("rtol")
+    if diff is None or atol is None or rtol is None:
+        return None
+    allowed = atol + rtol * abs(comparison.get("magnitude") or 0.0)
+    if not math.isfinite(diff):
+        return math.inf
+    return diff / allowed if allowed > 0 else (0.0 if diff == 0 else math.inf)
+
+
+CLOSENESS_KINDS = ("allclose", "equal")
+"""Comparisons with a tolerance to be under; "differ" (must NOT match) and "raises" have none."""
+
+
+def check_ratio(check: dict) -> float | None:
+    """The largest tolerance ratio over a check's closeness comparisons (None: it has none)."""
+    ratios = [r for r in (tolerance_ratio(c) for c in check.get("comparisons") or []
+                          if c.get("kind", "allclose") in CLOSENESS_KINDS) if r is not None]
+    return max(ratios) if ratios else None
+
+
+def plot_parity(checks: list[dict], path: Path, *, title: str) -> Path | None:
+    """Per check: its largest difference over its tolerance, log scale; 1 is the tolerance."""
+    rows = [(c["name"], check_ratio(c), c.get("status")) for c in checks]
+    rows = [r for r in rows if r[1] is not None]
+    if not rows:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 0.38 * len(rows) + 1.5))
+    values = [max(r, TOLERANCE_FLOOR) if math.isfinite(r) else 1e3 for _, r, _ in rows]
+    colors = [COLORS["measured"] if status == "pass" else COLORS["chapter"] for _, _, status in rows]
+    ax.barh(range(len(rows)), values, color=colors, left=TOLERANCE_FLOOR / 10)
+    for y, (_, ratio, _) in enumerate(rows):
+        text = "exact (0)" if ratio == 0 else "not finite" if not math.isfinite(ratio) else f"{ratio:.1e}"
+        ax.text(max(ratio, TOLERANCE_FLOOR) if math.isfinite(ratio) else 1e3, y, f" {text}", va="center",
+                fontsize=8)
+    ax.axvline(1.0, color=COLORS["chapter"], ls="--", lw=1)
+    ax.text(1.0, 0.02, " tolerance", color=COLORS["chapter"], fontsize=8, va="bottom",
+            transform=ax.get_xaxis_transform())
+    ax.set_yticks(range(len(rows)), [name for name, _, _ in rows])
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlim(TOLERANCE_FLOOR / 10, 1e4)
+    ax.set_xlabel("largest |difference| / tolerance (log scale; below 1 passes)")
+    ax.set_title(title, fontsize=11)
+    return _save(fig, path)
+
+
+def plot_overlay(runs: list[tuple[str, list[dict]]], path: Path, *, title: str) -> Path | None:
+    """Loss curves of several runs of one kind on one axis."""
+    runs = [(label, metrics) for label, metrics in runs if metrics]
+    if len(runs) < 2:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    for label, metrics in runs:
+        ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], lw=1.2, label=label)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("MSE loss")
+    _integer_steps(ax)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=11)
+    return _save(fig, path)

@@ -1,0 +1,30 @@
+"""The verdict table for a terminal (fits 80 columns: tolerances and reasons live in REPORT.md)."""
+
+from __future__ import annotations
+
+from moebench.report.compare import DIFFERS, NOT_RUN, REPRODUCED, format_number
+
+STYLE = {REPRODUCED: "green", DIFFERS: "red", NOT_RUN: "yellow"}
+
+
+def _text(value, unit: str) -> str:
+    if unit == "checks" and isinstance(value, str):
+        return value.split(" at ")[0].replace(", 0 skip", "")  # "13 pass, 0 fail"
+    return value if isinstance(value, str) else format_number(value, unit)
+
+
+def verdict_table(rows: list[dict]):
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title="chapter 6: verdicts", title_style="bold", box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("claim", overflow="fold", min_width=30)
+    table.add_column("measured", justify="right", no_wrap=True)
+    table.add_column("chapter", justify="right", no_wrap=True)
+    table.add_column("verdict", no_wrap=True)
+    for i, r in enumerate(rows):
+        last_of_variant = i + 1 == len(rows) or rows[i + 1]["variant"] != r["variant"]
+        label = r["label"] if r["variant"] == "parity" else f"{r['variant']}: {r['label']}"
+        table.add_row(label, _text(r["measured"], r["unit"]), _text(r["published"], r["unit"]),
+                      f"[{STYLE[r['verdict']]}]{r['verdict']}[/]", end_section=last_of_variant)
+    return table

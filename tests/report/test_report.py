@@ -1,0 +1,329 @@
+"""`moebench report`, built from fixture results: real (small) runs of every kind, then edited
+copies of them for each situation (chapter values, a failed run, a missing one, ...)."""
+
+from __future__ import annotations
+
+import base64
+import html.parser
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moebench import published
+from moebench.report import build, collect, compare
+
+MOEBENCH = [sys.executable, "-m", "moebench"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([*MOEBENCH, *args], capture_output=True, text=True, timeout=300, **kw)
+
+
+@pytest.fixture(scope="session")
+def source_results(tmp_path_factory) -> Path:
+    """One small real run of each kind (about 15 s together)."""
+    root = tmp_path_factory.mktemp("source") / "results"
+    for args in (["run", "fastmoe", "--steps", "4", "--gate", "gshard"],
+                 ["run", "deepspeed", "--preset", "quick", "--epochs", "2"],
+                 ["verify-parity", "-n", "2", "--checks", "ddp-sgd,all-gather-variable"],
+                 ["env-check", "--no-probe"]):
+        out = _cli(*args, "--results-dir", str(root))
+        assert out.returncode == 0, out.stderr
+    return root
+
+
+@pytest.fixture
+def results_root(source_results, tmp_path) -> Path:
+    root = tmp_path / "results"
+    shutil.copytree(source_results, root)
+    return root
+
+
+def _run(root: Path, kind: str) -> Path:
+    return next((root / kind).iterdir())
+
+
+def _edit(path: Path, **changes) -> dict:
+    data = json.loads(path.read_text())
+    for dotted, value in changes.items():
+        node = data
+        *parents, last = dotted.split("__")
+        for part in parents:
+            node = node[part]
+        node[last] = value
+    path.write_text(json.dumps(data))
+    return data
+
+
+def _as_chapter(root: Path, kind: str) -> Path:
+    """Make a run's config.json the chapter preset's (the report then judges its numbers)."""
+    run = _run(root, kind)
+    config = json.loads((run / "config.json").read_text())
+    chapter = build.chapter_config(kind)
+    for section in ("model", "moe", "train", "engine"):
+        if section in chapter:
+            config[section] = {**chapter[section], **{k: v for k, v in config.get(section, {}).items()
+                                                      if (section, k) in collect.IGNORED_FOR_CHAPTER}}
+    config["preset"] = "chapter"
+    (run / "config.json").write_text(json.dumps(config))
+    return run
+
+
+def _rows(result, variant: str) -> dict[str, dict]:
+    return {r["key"]: r for r in result.rows if r["variant"] == variant}
+
+
+def test_every_section_is_present_in_both_renderings(results_root):
+    result = build.build_report([], root=str(results_root))
+    md = (result.path / "REPORT.md").read_text()
+    page = (result.path / "report.html").read_text()
+    for heading in ("Verdicts", "Environment", "fastmoe", "deepspeed", "Expert load", "Parity"):
+        assert f"## {heading}" in md
+        assert f"<h2>{heading}</h2>" in page
+    assert published.CHAPTER in md  # cited by name, never by a path outside the repository
+    assert "../shared" not in md and "../shared" not in page
+    summary = json.loads((result.path / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["kind"] == "report"
+    assert summary["counts"] == result.counts
+    assert sum(result.counts.values()) == len(result.rows) == len(published.FASTMOE) + len(published.DEEPSPEED) + 1
+
+
+def test_numbers_equal_the_json_they_came_from(results_root):
+    _as_chapter(results_root, "fastmoe")
+    _as_chapter(results_root, "deepspeed")
+    result = build.build_report([], root=str(results_root))
+    md = (result.path / "REPORT.md").read_text()
+    for kind in ("fastmoe", "deepspeed"):
+        summary = json.loads((_run(results_root, kind) / "summary.json").read_text())
+        for key, row in _rows(result, kind).items():
+            expected = compare.lookup(summary, key)
+            assert row["measured"] == expected, key
+            if expected is not None:
+                assert compare.format_number(expected, row["unit"]) in md, key
+    fastmoe = json.loads((_run(results_root, "fastmoe") / "summary.json").read_text())
+    assert _rows(result, "fastmoe")["params.total"]["measured"] == fastmoe["params"]["total"]
+    assert _rows(result, "fastmoe")["data.batch_input_max"]["measured"] == fastmoe["data"]["batch_input_max"]
+    ds = json.loads((_run(results_root, "deepspeed") / "summary.json").read_text())
+    drop = _rows(result, "deepspeed")["derived.epoch_loss_drop_pct"]
+    assert drop["measured"] is None  # a 2-epoch run has no epoch 5
+    assert _rows(result, "deepspeed")["epoch_loss.1"]["measured"] == ds["epoch_loss"][0]
+    parity = json.loads((_run(results_root, "parity") / "summary.json").read_text())
+    assert f"{parity['counts']['pass']} pass" in _rows(result, "parity")["parity"]["measured"]
+
+
+def test_a_run_that_is_not_the_chapter_experiment_is_not_judged(results_root):
+    result = build.build_report([], root=str(results_root))
+    for row in _rows(result, "fastmoe").values():
+        assert row["verdict"] == compare.NOT_RUN
+        assert "is not the chapter's experiment" in row["reason"] and "d_model 64 (chapter 1024)" in row["reason"]
+        assert "moebench run fastmoe --preset chapter" in row["reason"]
+
+
+@pytest.mark.parametrize("factor,verdict", [(1.0, "reproduced"), (1.09, "reproduced"), (1.2, "differs"),
+                                            (0.85, "differs")])
+def test_verdict_follows_the_tolerance(results_root, factor, verdict):
+    run = _as_chapter(results_root, "fastmoe")
+    _edit(run / "summary.json", loss__last=1.11 * factor)
+    result = build.build_report([], root=str(results_root))
+    row = _rows(result, "fastmoe")["loss.last"]
+    assert row["verdict"] == verdict
+    if verdict == "differs":
+        assert "the chapter prints no batch size" in row["reason"]  # the likely cause
+        assert row["difference"] == pytest.approx(1.11 * factor - 1.11)
+
+
+def test_known_differences_carry_their_explanation(results_root):
+    run = _as_chapter(results_root, "fastmoe")
+    _edit(run / "summary.json", params__by_category__attention=4 * 1024**2 + 4 * 1024)
+    row = _rows(build.build_report([], root=str(results_root)), "fastmoe")["params.by_category.attention"]
+    assert row["verdict"] == "differs" and "4·d² + 4·d" in row["reason"]
+
+
+def test_shapes_are_compared_exactly(results_root):
+    run = _as_chapter(results_root, "deepspeed")
+    _edit(run / "summary.json", test__input_shape=[32, 8, 512], test__output_shape=[32, 8, 511])
+    rows = _rows(build.build_report([], root=str(results_root)), "deepspeed")
+    assert rows["test.input_shape"]["verdict"] == "reproduced"
+    assert rows["test.output_shape"]["verdict"] == "differs"
+
+
+@pytest.mark.parametrize("status", ["failed", "interrupted"])
+def test_a_failed_or_interrupted_run_is_reported_as_such(results_root, status):
+    run = _as_chapter(results_root, "fastmoe")
+    _edit(run / "summary.json", status=status, error="RuntimeError: boom at step 3")
+    result = build.build_report([], root=str(results_root))
+    for row in _rows(result, "fastmoe").values():
+        assert row["verdict"] == "not run"
+        assert run.name in row["reason"] and ("failed" if status == "failed" else "was interrupted") in row["reason"]
+        assert "boom at step 3" in row["reason"]
+    md = (result.path / "REPORT.md").read_text()
+    assert f"status {status}" in md
+
+
+@pytest.mark.no_schema_check
+def test_an_abandoned_run_is_reported_as_such(results_root):
+    run = _as_chapter(results_root, "deepspeed")
+    _edit(run / "summary.json", status="running", pid=2**22 + 12345)  # a writer that is gone
+    rows = _rows(build.build_report([], root=str(results_root)), "deepspeed")
+    assert all(r["verdict"] == "not run" and "abandoned" in r["reason"] for r in rows.values())
+
+
+def test_a_missing_run_is_not_run(results_root):
+    shutil.rmtree(results_root / "deepspeed")
+    shutil.rmtree(results_root / "parity")
+    result = build.build_report([], root=str(results_root))
+    assert all(r["verdict"] == "not run" and "no deepspeed run found" in r["reason"]
+               for r in _rows(result, "deepspeed").values())
+    assert _rows(result, "parity")["parity"]["verdict"] == "not run"
+    assert "Not run: no deepspeed run found" in (result.path / "REPORT.md").read_text()
+
+
+def test_since_ignores_older_runs(results_root):
+    result = build.build_report([], root=str(results_root), since="2999-01-01T00:00:00")
+    assert result.counts["not run"] == len(result.rows)
+
+
+def test_a_failing_parity_check_differs(results_root):
+    run = _run(results_root, "parity")
+    data = json.loads((run / "summary.json").read_text())
+    data["counts"] = {"pass": 1, "fail": 1, "skip": 0}
+    data["checks"][0]["status"] = "fail"
+    data["status"] = "failed"
+    (run / "summary.json").write_text(json.dumps(data))
+    row = _rows(build.build_report([], root=str(results_root)), "parity")["parity"]
+    assert row["verdict"] == "differs" and data["checks"][0]["name"] in row["reason"]
+
+
+def test_figures_are_non_empty_pngs(results_root):
+    result = build.build_report([], root=str(results_root))
+    names = {p.name for p in result.path.glob("*.png")}
+    assert {"params-fastmoe.png", "params-deepspeed.png", "loss-fastmoe.png", "loss-deepspeed.png",
+            "experts-fastmoe.png", "experts-deepspeed.png", "parity.png"} <= names
+    import matplotlib.image
+
+    for name in names:
+        data = (result.path / name).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 5_000, name
+        pixels = matplotlib.image.imread(result.path / name)
+        assert pixels.shape[0] > 200 and pixels.shape[1] > 500 and pixels.std() > 0.01, name  # not blank
+
+
+class _Checker(html.parser.HTMLParser):
+    VOID = {"meta", "img", "br", "hr", "link", "input"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[str] = []
+        self.images: list[str] = []
+        self.errors: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "img":
+            self.images.append(dict(attrs)["src"])
+        if tag not in self.VOID:
+            self.stack.append(tag)
+
+    def handle_endtag(self, tag):
+        if not self.stack or self.stack[-1] != tag:
+            self.errors.append(f"</{tag}> closes {self.stack[-1:]}")
+        else:
+            self.stack.pop()
+
+
+def test_html_is_well_formed_and_embeds_every_figure(results_root):
+    result = build.build_report([], root=str(results_root))
+    page = (result.path / "report.html").read_text()
+    assert page.startswith("<!DOCTYPE html>")
+    checker = _Checker()
+    checker.feed(page)
+    assert not checker.errors and not checker.stack
+    embedded = sorted(base64.b64decode(src.split(",", 1)[1]) for src in checker.images)
+    assert all(src.startswith("data:image/png;base64,") for src in checker.images)  # nothing fetched
+    assert embedded == sorted(p.read_bytes() for p in result.path.glob("*.png"))
+    assert "http://" not in page and "https://" not in page
+
+
+def test_several_runs_of_one_kind_are_compared(results_root, tmp_path):
+    first = _run(results_root, "fastmoe")
+    out = _cli("run", "fastmoe", "--steps", "6", "--lr", "0.01", "--results-dir", str(results_root))
+    assert out.returncode == 0, out.stderr
+    second = next(p for p in (results_root / "fastmoe").iterdir() if p != first)
+    result = build.build_report([str(first), str(second)], root=str(results_root))
+    md = (result.path / "REPORT.md").read_text()
+    assert "## Comparison: 2 fastmoe runs" in md
+    assert "| train.lr | 0.003 | 0.01 |" in md and "| train.steps | 4 | 6 |" in md
+    assert (result.path / "compare-fastmoe.png").stat().st_size > 5_000
+    assert [r.path for r in result.runs["fastmoe"]] == [first, second]
+    assert result.runs["deepspeed"] == []  # only what was given
+
+
+def test_cli_prints_the_verdicts_and_the_path(results_root):
+    out = _cli("report", "--results-dir", str(results_root), env={"COLUMNS": "80", **_env()})
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert "chapter 6: verdicts" in out.stdout and "fastmoe: parameters, total" in out.stdout
+    assert lines[-2].startswith("report: ") and lines[-2].endswith("REPORT.md")
+    assert lines[-1].strip().endswith("report.html")
+    doc = json.loads(_cli("report", "--json", "--results-dir", str(results_root)).stdout)
+    assert Path(doc["report_path"]).is_dir() and len(doc["verdicts"]) == sum(doc["counts"].values())
+
+
+def _env():
+    import os
+
+    return dict(os.environ)
+
+
+@pytest.mark.parametrize("args,flag", [(["no/such/run"], "RUN"), (["--since", "yesterday"], "--since"),
+                                       (["--results-dir", " "], "--results-dir")])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(results_root, args, flag):
+    out = _cli("report", *args, "--results-dir", str(results_root)) if "--results-dir" not in args else \
+        _cli("report", *args)
+    assert out.returncode == 2
+    assert len(out.stderr.strip().splitlines()) == 1 and flag in out.stderr and "Traceback" not in out.stderr
+    assert not (results_root / "report").exists()
+
+
+def test_a_run_given_twice_or_of_another_kind_is_refused(results_root):
+    run = str(_run(results_root, "fastmoe"))
+    out = _cli("report", run, run, "--results-dir", str(results_root))
+    assert out.returncode == 2 and "given twice" in out.stderr
+    build.build_report([], root=str(results_root))
+    report_run = str(_run(results_root, "report"))
+    out = _cli("report", report_run, "--results-dir", str(results_root))
+    assert out.returncode == 2 and "'report' run" in out.stderr
+
+
+def test_every_published_figure_has_a_reasoned_tolerance():
+    for fig in (*published.FASTMOE, *published.DEEPSPEED):
+        assert fig.section and fig.label
+        if isinstance(fig.value, tuple):
+            assert fig.tolerance_text() == "exact"
+        else:
+            assert fig.tolerance > 0 and fig.tolerance_reason, fig.key
+        assert fig.known_difference or fig.if_differs or fig.key.startswith("params."), fig.key
+
+
+@pytest.mark.browser
+def test_report_renders_in_headless_chromium(results_root, tmp_path):
+    """report.html opens in a real browser (Debian's `chromium`) and draws a page that is not blank."""
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+    result = build.build_report([], root=str(results_root))
+    shot = tmp_path / "page.png"
+    out = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                          "--window-size=1200,3000", f"--screenshot={shot}",
+                          (result.path / "report.html").as_uri()], capture_output=True, text=True, timeout=120)
+    assert shot.exists(), out.stderr
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(shot)
+    assert pixels.shape[:2] == (3000, 1200)
+    assert pixels.std() > 0.05  # text, tables and figures, not an empty page
