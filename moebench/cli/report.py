@@ -46,5 +46,6 @@ def report(
     c = outcome.counts
     console.print(f"{c['reproduced']} reproduced, {c['differs']} differ, {c['not run']} not run; "
                   "reasons in REPORT.md")
-    console.print(f"report: {outcome.path / 'REPORT.md'}")
-    console.print(f"        {outcome.path / 'report.html'}")
+    # Plain prints: a path folded at the terminal's width could not be copied.
+    typer.echo(f"report: {outcome.path / 'REPORT.md'}")
+    typer.echo(f"        {outcome.path / 'report.html'}")

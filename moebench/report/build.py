@@ -12,7 +12,7 @@ from pathlib import Path
 
 from moebench import published, results
 from moebench.report import collect, figures
-from moebench.report.compare import DIFFERS, NOT_RUN, REPRODUCED, difference_text, format_number, verdicts
+from moebench.report.claims import DIFFERS, NOT_RUN, REPRODUCED, difference_text, format_number, verdicts
 from moebench.report.render import Block, Bullets, Figure, Heading, Para, Table, html_document, markdown
 
 FIGURES = {"fastmoe": published.FASTMOE, "deepspeed": published.DEEPSPEED}
@@ -240,8 +240,9 @@ def _parity_blocks(run: collect.Run | None, out: Path) -> list[Block]:
     png = figures.plot_parity(checks, out / "parity.png", title="parity: largest difference over its tolerance")
     if png:
         blocks.append(Figure(png, "Per check, the largest |difference| over its allowed difference (log scale); "
-                                  "a check passes below 1. Exactly equal results sit at the left edge. Assertions that two "
-                                  "things must differ, or that a call raises, have no tolerance and are not drawn."))
+                                  "a check passes below 1. Exactly equal results sit at the left edge. Assertions "
+                                  "that two things must differ, or that a call raises, have no tolerance and are not "
+                                  "drawn."))
     return blocks
 
 

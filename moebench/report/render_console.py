@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moebench.report.compare import DIFFERS, NOT_RUN, REPRODUCED, format_number
+from moebench.report.claims import DIFFERS, NOT_RUN, REPRODUCED, format_number
 
 STYLE = {REPRODUCED: "green", DIFFERS: "red", NOT_RUN: "yellow"}
 
