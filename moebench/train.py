@@ -202,7 +202,8 @@ def execute_run(
                                       in_process)
             summary = finish(rank_summary) if finish else rank_summary
             if run is not None:
-                _plot(run, title=f"{kind} ({summary.get('moe_impl', kind)})  {run.run_id}")
+                _plot(run, title=f"{kind} ({summary.get('moe_impl', kind)})  {run.run_id}", summary=summary,
+                      aux_coef=(config.get("train") or {}).get("aux_loss_coef"))
                 final = run.finish(results.STATUS_OK, summary)
         except KeyboardInterrupt:
             _record_end(run, results.STATUS_INTERRUPTED, "interrupted (Ctrl-C or SIGTERM)")
@@ -257,12 +258,14 @@ def _run_ranks(rank_fn, world_size, run_path, rank_args, backend, timeout_s, kin
     return outcome.returns[0]
 
 
-def _plot(run: results.RunDir, *, title: str) -> None:
+def _plot(run: results.RunDir, *, title: str, summary: dict, aux_coef: float | None) -> None:
     from moebench import report
 
     metrics = run.path / "metrics.jsonl"
     if metrics.exists():
-        report.plot_loss(results.read_jsonl(metrics), run.path / "loss.png", title=title)
+        report.plot_loss(results.read_jsonl(metrics), run.path / "loss.png", title=title,
+                         steps_per_epoch=summary.get("steps_per_epoch"),
+                         eval_loss=(summary.get("test") or {}).get("loss"), aux_coef=aux_coef)
 
 
 def _default_env_summary() -> dict:

@@ -327,3 +327,26 @@ def test_report_renders_in_headless_chromium(results_root, tmp_path):
     pixels = matplotlib.image.imread(shot)
     assert pixels.shape[:2] == (3000, 1200)
     assert pixels.std() > 0.05  # text, tables and figures, not an empty page
+
+
+def test_both_variants_record_routing_per_step(source_results):
+    """What the expert-load figures are drawn from: kept routes per expert per step, and the drops."""
+    fastmoe = _run(source_results, "fastmoe")
+    config = json.loads((fastmoe / "config.json").read_text())
+    routes = config["train"]["batch_size"] * config["train"]["seq_len"] * config["moe"]["top_k"]
+    for line in (fastmoe / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        kept = sum(sum(layer) for layer in record["tokens_per_expert"])
+        layers = len(record["tokens_per_expert"])
+        assert record["dropped_route_frac"] == pytest.approx((routes * layers - kept) / (routes * layers))
+    summary = json.loads((fastmoe / "summary.json").read_text())
+    assert 0 < summary["routing"]["dropped"]  # gshard drops at capacity
+    data = summary["data"]
+    assert data["input_min"] <= data["batch_input_min"] < data["batch_input_max"] <= data["input_max"]
+
+    ds = _run(source_results, "deepspeed")
+    ds_summary = json.loads((ds / "summary.json").read_text())
+    per_step = [json.loads(line) for line in (ds / "metrics.jsonl").read_text().splitlines()]
+    for layer, totals in enumerate(ds_summary["routing"]["per_layer"]):
+        summed = [sum(rec["tokens_per_expert"][layer][e] for rec in per_step) for e in range(totals["experts"])]
+        assert summed == totals["tokens_kept_per_expert"]  # per step adds up to the run's totals
