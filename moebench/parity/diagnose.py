@@ -31,6 +31,9 @@ import torch
 # max |actual| everywhere. Summation-order noise is ~1e-7 of the magnitude (compare.py); 1e-4 leaves
 # 1000x margin and is still far below what a partly wrong tensor leaves (>= 1e-2 in every case seen).
 SCALE_FIT_RTOL = 1e-4
+# The comparison's absolute floor joins the fit's allowance only while it is below this fraction of
+# max |actual| (strict floors are ~1e-5 of it; the engine check's float32 update floor ~1e-3).
+SCALE_FLOOR_MAX = 1e-2
 # c or 1/c counts as the integer N when within 2 % of it: a summed-not-averaged gradient is N x to
 # ~1e-7; the slack only serves noisier user code, and integers >= 2 are >= 1.5 % apart up to N = 64.
 SCALE_INTEGER_RTOL = 0.02
@@ -108,7 +111,12 @@ def diagnose(actual: Any, expected: Any, *, atol: float, rtol: float, world_size
     c = float((a * e).sum()) / ee if ee > 0 else 0.0
     if ee > 0 and c != 0 and abs(c - 1.0) > SCALE_MIN_DEVIATION:
         resid = float((a - c * e).abs().max())
-        if resid <= SCALE_FIT_RTOL * float(a.abs().max()):
+        # The comparison's own absolute floor is noise it accepts on each side (e.g. an update read
+        # from float32 parameters): a fit is not asked to be finer than that - when that floor is
+        # small beside the values (a loose seed atol would let any scale "fit").
+        peak = float(a.abs().max())
+        floor = (1.0 + abs(c)) * atol if atol <= SCALE_FLOOR_MAX * peak else 0.0
+        if resid <= SCALE_FIT_RTOL * peak + floor:
             n, why = integer_scale(c, world_size)
             sentence = f"actual = {c:.4g} x expected everywhere" + (f": {why}" if why else "")
             return _d("uniform-scale", sentence, scale=c, integer=n, residual=resid)
