@@ -154,18 +154,18 @@ def _slices(a: torch.Tensor, e: torch.Tensor, atol: float, rtol: float) -> dict[
                 break
             perm.append(j)
             used.add(j)
-        what = "row" if dim == 0 else f"slice along dim {dim}"
+        what, where = ("row", "") if dim == 0 else ("slice", f" along dim {dim}")
         if len(perm) == n and perm != list(range(n)):
-            return _d("rows-permuted", f"the right {what}s in the wrong order: position i holds expected "
+            return _d("rows-permuted", f"the right {what}s{where} in the wrong order: position i holds expected "
                       f"{what} perm[i], perm = {perm[:4 * MAX_NAMED]}", dim=dim, permutation=perm,
                       moved=[i for i, j in enumerate(perm) if i != j])
         wrong = [i for i in range(n) if not bool(match[i, i])]
         if 0 < len(wrong) < n and (partial is None or len(wrong) / n < partial[0]):
-            partial = (len(wrong) / n, dim, wrong, n, what)
+            partial = (len(wrong) / n, dim, wrong, n, what, where)
     if partial is None:
         return None
-    _, dim, wrong, n, what = partial
-    return _d("partial", f"only {_names(wrong, what)} of {n} differ; the others are right",
+    _, dim, wrong, n, what, where = partial
+    return _d("partial", f"only {_names(wrong, what)}{where} of {n} differ; the others are right",
               dim=dim, indices=wrong, total=n)
 
 
@@ -177,7 +177,7 @@ def group_of(name: str) -> str:
     n = name.lower()
     if re.search(r"\b(gate|router|routing|gating|top\dgating|capacity|kept|dropped|combine)\b", n):
         return "gate/router"
-    if "input grad" in n:
+    if "input grad" in n or re.search(r"differentiable|grad_fn|backward", n):
         return "input gradient"
     if re.search(r"\bexperts?\b|h4toh|htoh4", n):
         return "experts"
@@ -217,7 +217,10 @@ def summarise(comparisons: list, world_size: int, first: Any = None) -> dict[str
                      + (" (the world size)" if scales == [world_size] else ""))
     if first.diagnosis:
         parts.append(f"first failure: rank {first.rank}: {first.name}: {first.diagnosis['name']}")
-    name = "partial" if only_some else (first.diagnosis["name"] if first.diagnosis else "unexplained")
+    elif first.note:  # a non-numeric assertion (keys, an exception, a grad_fn): its note says what broke
+        parts.append(f"first failure: rank {first.rank}: {first.name}: {first.note}")
+    first_name = first.diagnosis["name"] if first.diagnosis else "failed-assertion" if first.note else "unexplained"
+    name = "partial" if only_some else first_name
     return {"name": name, "sentence": "; ".join(parts),
             "details": {"right": right, "wrong": wrong,
                         "groups": {g: {"failed": v[0], "total": v[1]} for g, v in groups.items()},

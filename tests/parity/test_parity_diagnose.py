@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moebench.parity.compare import STRICT, Comparison, compare
-from moebench.parity.diagnose import SCALE_INTEGER_RTOL, group_of, integer_scale, summarise
+from moebench.parity.diagnose import SCALE_INTEGER_RTOL, diagnose, group_of, integer_scale, summarise
 from moebench.parity.runner import ParityConfig, run_checks
 
 
@@ -220,3 +220,20 @@ def test_correct_implementations_have_no_diagnosis():
     for record in summary["checks"]:
         assert record["status"] == "pass" and record["diagnosis"] is None
         assert all(c["diagnosis"] is None for c in record["comparisons"])
+
+
+def test_a_failed_non_numeric_assertion_names_itself_and_its_group():
+    comps = [Comparison(name="dim 0: gathered values", passed=True, rank=0),
+             Comparison(name="dim 0: gathered tensor is differentiable", passed=False, rank=0,
+                        note="no grad_fn: the all-gather has no autograd backward")]
+    s = summarise(comps, 2)
+    assert s["name"] == "failed-assertion"
+    assert "input gradient wrong (1/1)" in s["sentence"] and "no grad_fn" in s["sentence"]
+
+
+def test_partial_along_a_later_dim_reads_as_english():
+    e = torch.arange(1.0, 17.0).reshape(2, 8)
+    a = e.clone()
+    a[:, 3] *= -1
+    d = diagnose(a, e, atol=1e-6, rtol=1e-5)
+    assert d["name"] == "partial" and d["sentence"].startswith("only slice 3 along dim 1 of 8 differ")
