@@ -154,7 +154,8 @@ class FMoEReference(nn.Module):
         local_expert_count = torch.bincount(flat[valid], minlength=tot_expert)
         self.tokens_per_expert = local_expert_count.detach()
         pos = order[: int(valid.sum())]
-        slots = x.index_select(0, torch.div(pos, k, rounding_mode="floor"))  # MOEScatter
+        token_of_slot = torch.div(pos, k, rounding_mode="floor")
+        slots = x.index_select(0, token_of_slot)  # MOEScatter
         if self.world_size > 1:
             plan = expert_parallel.plan_exchange(local_expert_count, self.num_expert, self.group)
             expert_in = expert_parallel.dispatch(slots, plan, self.group)
@@ -162,9 +163,11 @@ class FMoEReference(nn.Module):
             slots_out = expert_parallel.combine(expert_out, plan, self.group)
         else:
             slots_out = self.run_experts(slots, local_expert_count.tolist())
-        # MOEGather: back to [tokens * k] slot order; dropped slots stay zero.
-        out = x.new_zeros(tokens * k, x.shape[-1]).index_copy(0, pos, slots_out)
-        return torch.bmm(topk_score.reshape(-1, 1, k).to(out.dtype), out.view(tokens, k, -1)).reshape(tokens, -1)
+        # MOEGather and the score-weighted sum in one pass: every kept slot adds score x output to its
+        # token's row, a dropped slot adds nothing (its output counts as zero, as in fastmoe). No
+        # [tokens * k, d] buffer and no bmm: both cost as much as the gather itself.
+        scores = topk_score.reshape(-1).index_select(0, pos).to(slots_out.dtype)
+        return x.new_zeros(tokens, x.shape[-1]).index_add(0, token_of_slot, slots_out * scores[:, None])
 
     def run_experts(self, expert_in: torch.Tensor, tokens_per_local_expert: list[int]) -> torch.Tensor:
         """fmoe/layers.py FMoE.expert_fn: each expert on its own contiguous slice."""
