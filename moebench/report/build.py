@@ -271,6 +271,33 @@ def _comparison_blocks(chosen: dict[str, list[collect.Run]], out: Path) -> list[
     return blocks
 
 
+def _bench_blocks(run: collect.Run | None, out: Path) -> list[Block]:
+    """The latest `moebench bench` (any date: a layer's speed does not depend on this session's runs)."""
+    if run is None:
+        return []
+    summary = run.summary
+    blocks: list[Block] = [Heading("Layer speed (moebench bench)"),
+                           Para(f"bench {run.run_id} (started {summary.get('started_at', '?')}, status {run.status}, "
+                                f"{summary.get('threads', '?')} threads): forward + backward of one MoE layer, median "
+                                "of interleaved repeats; ratios measured in the same process.")]
+    rows = []
+    for r in summary.get("rows") or []:
+        point = (r.get("layer", "?"), str(r.get("experts")), str(r.get("tokens")), str(r.get("top_k")))
+        if r.get("skipped"):
+            rows.append((*point, "skipped", "", "", "", str(r["skipped"])[:80]))
+            continue
+        rows.append((*point, f"{r.get('tokens_per_s', 0):,.0f}", f"{r.get('gflops', 0):.1f}",
+                     _fmt(r.get("vs_ideal"), ".2f"), _fmt(r.get("vs_deepspeed_cf1"), ".2f"), ""))
+    if rows:
+        blocks.append(Table(headers=("layer", "experts", "tokens", "k", "tokens/s", "GFLOP/s", "× ideal",
+                                     "× DeepSpeed cf 1", "note"), rows=tuple(rows)))
+    for png in sorted(run.path.glob("*.png")):
+        copy = out / f"bench-{png.name}"
+        copy.write_bytes(png.read_bytes())
+        blocks.append(Figure(copy, f"bench {run.run_id}: {png.stem.replace('_', ' ')}"))
+    return blocks
+
+
 def _fmt(value, spec: str = ".4f") -> str:
     return "—" if value is None else format(value, spec)
 
@@ -323,6 +350,7 @@ def build_report(paths: list[str], *, root: str | None = None, since: str | None
         blocks += _expert_blocks(chosen, out)
         blocks += _parity_blocks(primary["parity"], out)
         blocks += _comparison_blocks(chosen, out)
+        blocks += _bench_blocks(collect.latest(root_path, "bench"), out)
 
         results.write_text_atomic(out / "REPORT.md", markdown(blocks))
         results.write_text_atomic(out / "report.html", html_document(blocks, title="moebench report"))

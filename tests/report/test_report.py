@@ -350,3 +350,16 @@ def test_both_variants_record_routing_per_step(source_results):
     for layer, totals in enumerate(ds_summary["routing"]["per_layer"]):
         summed = [sum(rec["tokens_per_expert"][layer][e] for rec in per_step) for e in range(totals["experts"])]
         assert summed == totals["tokens_kept_per_expert"]  # per step adds up to the run's totals
+
+
+def test_the_latest_bench_is_shown_whatever_its_date(results_root):
+    out = _cli("bench", "--experts", "4", "--tokens", "256", "--top-k", "2", "--d-model", "64", "--d-hidden", "128",
+               "--layers", "ideal,reference", "--repeats", "1", "--no-profile", "--results-dir", str(results_root))
+    assert out.returncode == 0, out.stderr
+    bench = json.loads((_run(results_root, "bench") / "summary.json").read_text())
+    result = build.build_report([], root=str(results_root), since="2999-01-01T00:00:00")
+    md = (result.path / "REPORT.md").read_text()
+    assert "## Layer speed (moebench bench)" in md and bench["run_id"] in md
+    reference = next(r for r in bench["rows"] if r["layer"] == "reference")
+    assert f"| reference | 4 | 256 | 2 | {reference['tokens_per_s']:,.0f} |" in md
+    assert list(result.path.glob("bench-*.png"))  # copied beside the report, so the HTML embeds them
