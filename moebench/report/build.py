@@ -74,12 +74,25 @@ def parity_row(run: collect.Run | None) -> dict:
         names = ", ".join(c["name"] for c in checks if c.get("status") == "fail")
         return {**base, "measured": measured, "verdict": DIFFERS, "reason": f"failed: {names}"}
     if not run.ok or not checks:
-        return {**base, "measured": measured if checks else None, "verdict": NOT_RUN, "reason": run.not_ok_reason()}
+        why = run.not_ok_reason() if not run.ok else f"run {run.run_id} ran no check"
+        return {**base, "measured": measured if checks else None, "verdict": NOT_RUN, "reason": why}
+    missing = sorted(_registered_checks() - {c["name"] for c in checks})
+    if missing:  # a --checks subset is not the chapter's parity claim
+        return {**base, "measured": measured, "verdict": NOT_RUN,
+                "reason": f"run {run.run_id} ran {len(checks)} of {len(missing) + len(checks)} checks (not "
+                          f"{', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): run "
+                          "`moebench verify-parity --world-size 4` without --checks"}
     if vacuous:
         return {**base, "measured": measured, "verdict": DIFFERS,
                 "reason": f"{vacuous} vacuous assertion(s) compared nothing"}
     return {**base, "measured": measured, "verdict": REPRODUCED,
             "reason": f"{passed} checks pass" + (f"; {skipped} skipped (see the parity section)" if skipped else "")}
+
+
+def _registered_checks() -> set[str]:
+    from moebench.parity import registry
+
+    return {check.name for check in registry.all_checks()}
 
 
 def _measured_text(row: dict) -> str:

@@ -363,3 +363,18 @@ def test_the_latest_bench_is_shown_whatever_its_date(results_root):
     reference = next(r for r in bench["rows"] if r["layer"] == "reference")
     assert f"| reference | 4 | 256 | 2 | {reference['tokens_per_s']:,.0f} |" in md
     assert list(result.path.glob("bench-*.png"))  # copied beside the report, so the HTML embeds them
+
+
+def test_parity_is_judged_on_the_whole_suite_only(results_root):
+    from moebench.parity import registry
+
+    row = _rows(build.build_report([], root=str(results_root)), "parity")["parity"]
+    assert row["verdict"] == "not run" and "ran 2 of" in row["reason"] and "without --checks" in row["reason"]
+    run = _run(results_root, "parity")
+    data = json.loads((run / "summary.json").read_text())
+    template = data["checks"][0]
+    data["checks"] = [{**template, "name": check.name} for check in registry.all_checks()]
+    data["counts"] = {"pass": len(data["checks"]), "fail": 0, "skip": 0}
+    (run / "summary.json").write_text(json.dumps(data))
+    row = _rows(build.build_report([], root=str(results_root)), "parity")["parity"]
+    assert row["verdict"] == "reproduced" and row["measured"].startswith(f"{len(data['checks'])} pass")
