@@ -15,7 +15,7 @@ app = typer.Typer()
 @app.command("report")
 def report(
     runs: Optional[List[str]] = typer.Argument(
-        None, metavar="[RUN]...",
+        None, metavar="RUN",
         help="Run folders (results/<kind>/<run-id>) to read; several of one kind are compared. "
              "Default: the latest run of each kind under the results root."),
     since: Optional[str] = typer.Option(
@@ -42,6 +42,9 @@ def report(
     from moebench.report.render_console import verdict_table
 
     console = Console(highlight=False)
+    for kind, run in outcome.primary.items():  # say which runs were judged: never a silent choice
+        if run is not None:
+            typer.echo(f"{kind:<10} {run.run_id} ({run.status})")
     console.print(verdict_table(outcome.rows))
     c = outcome.counts
     console.print(f"{c['reproduced']} reproduced, {c['differs']} differ, {c['not run']} not run; "

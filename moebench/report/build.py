@@ -9,10 +9,19 @@ from __future__ import annotations
 import dataclasses
 import datetime
 from pathlib import Path
+from typing import Callable
 
 from moebench import published, results
 from moebench.report import collect, figures
-from moebench.report.claims import DIFFERS, NOT_RUN, REPRODUCED, difference_text, format_number, verdicts
+from moebench.report.claims import (
+    DIFFERS,
+    NOT_RUN,
+    REPRODUCED,
+    difference_text,
+    format_number,
+    format_published,
+    verdicts,
+)
 from moebench.report.render import Block, Bullets, Figure, Heading, Para, Table, html_document, markdown
 
 FIGURES = {"fastmoe": published.FASTMOE, "deepspeed": published.DEEPSPEED}
@@ -29,6 +38,8 @@ class ReportResult:
     rows: list[dict]
     counts: dict[str, int]
     runs: dict[str, list[collect.Run]]
+    primary: dict[str, collect.Run | None]
+    """Per kind, the run its claims were judged on."""
 
 
 def chapter_config(kind: str) -> dict:
@@ -39,18 +50,22 @@ def chapter_config(kind: str) -> dict:
     return config.as_dict(variants.resolve_config(variant, "chapter", {}))
 
 
-def variant_rows(kind: str, run: collect.Run | None) -> list[dict]:
-    """The verdict rows of one variant's claims from its primary run."""
+def is_chapter_run(kind: str) -> Callable[[collect.Run], bool]:
+    chapter = chapter_config(kind)
+    return lambda run: not collect.chapter_deviations(run, chapter)
+
+
+def variant_rows(kind: str, run: collect.Run | None, missing: str) -> list[dict]:
+    """The verdict rows of one variant's claims from its primary run (`missing`: why there is none)."""
     figs = FIGURES[kind]
     if run is None:
-        reason = f"no {kind} run found (or none this session): run `moebench run {kind} --preset chapter`"
+        reason = missing
     elif not run.ok:
         reason = run.not_ok_reason()
     else:
         deviations = collect.chapter_deviations(run, chapter_config(kind))
-        reason = (f"run {run.run_id} is not the chapter's experiment ({'; '.join(deviations[:4])}"
-                  f"{'; ...' if len(deviations) > 4 else ''}): run `moebench run {kind} --preset chapter`"
-                  if deviations else "")
+        reason = (f"run {run.run_id} is not the chapter's experiment ({'; '.join(deviations)}): run "
+                  f"`moebench run {kind} --preset chapter`" if deviations else "")
     rows = verdicts(run.summary if run else None, figs, not_run_reason=reason)
     for row in rows:
         row["variant"] = kind
@@ -58,13 +73,12 @@ def variant_rows(kind: str, run: collect.Run | None) -> list[dict]:
     return rows
 
 
-def parity_row(run: collect.Run | None) -> dict:
+def parity_row(run: collect.Run | None, missing: str) -> dict:
     base = {"variant": "parity", "key": "parity", "label": "parity vs one process", "unit": "checks",
             "section": "seeds 000-003 (allclose assertions) and 6.4.1", "published": "all pass",
             "difference": None, "ratio": None, "tolerance": "per check", "run_id": run.run_id if run else None}
     if run is None:
-        return {**base, "measured": None, "verdict": NOT_RUN,
-                "reason": "no parity run found: run `moebench verify-parity --world-size 4`"}
+        return {**base, "measured": None, "verdict": NOT_RUN, "reason": missing}
     counts = run.summary.get("counts") or {}
     checks = run.summary.get("checks") or []
     passed, failed, skipped = counts.get("pass", 0), counts.get("fail", 0), counts.get("skip", 0)
@@ -100,7 +114,7 @@ def _measured_text(row: dict) -> str:
 
 
 def _published_text(row: dict) -> str:
-    return row["published"] if isinstance(row["published"], str) else format_number(row["published"], row["unit"])
+    return format_published(row["published"], row["unit"])
 
 
 def verdict_table(rows: list[dict]) -> Table:
@@ -166,8 +180,11 @@ def _variant_blocks(kind: str, run: collect.Run | None, out: Path) -> list[Block
                      f"comm {summary.get('comm_backend')}")
     if summary.get("steps"):
         steady = summary.get("tokens_per_s_steady")
-        facts.append(f"{summary['steps']} steps ({summary.get('epochs')} epoch(s) of {summary.get('steps_per_epoch')})"
-                     f" in {summary.get('train_time_s', 0):.1f} s; tokens/s steady "
+        steps, epochs, per_epoch = summary["steps"], summary.get("epochs"), summary.get("steps_per_epoch")
+        shape = (f"{epochs} epoch(s) of {per_epoch} steps" if epochs and per_epoch and steps == epochs * per_epoch
+                 else f"stopped by --steps; an epoch is {per_epoch} steps")
+        facts.append(f"{steps} steps ({shape}), training time {summary.get('train_time_s', 0):.1f} s of "
+                     f"{summary.get('wall_time_s', 0):.1f} s wall; tokens/s steady "
                      + (f"{steady:,.0f}" if steady else "—") + f", overall {summary.get('tokens_per_s', 0):,.0f}")
     if (summary.get("test") or {}).get("loss") is not None:
         facts.append(f"eval loss on a held-out batch {summary['test']['loss']:.4f}; test shape "
@@ -197,7 +214,8 @@ def _variant_blocks(kind: str, run: collect.Run | None, out: Path) -> list[Block
     if png:
         blocks.append(Figure(png, f"{kind} loss (metrics.jsonl): the global-batch MSE per step; hollow red marks "
                                   "are the chapter's published values, not measurements."
-                                  + ("" if run.ok else f" The run {run.status}: the curve stops where it did.")))
+                                  + ("" if run.ok else f" Run status: {run.status}; the curve shows what "
+                                                       "metrics.jsonl holds.")))
     return blocks
 
 
@@ -223,8 +241,11 @@ def _expert_blocks(chosen: dict[str, list[collect.Run]], out: Path) -> list[Bloc
                                    f"{routing.get('routes', 0):,} routes dropped at capacity over training."))
             if png:
                 drawn = True
+                dropped = any(m.get("dropped_route_frac") for m in run.metrics)
                 blocks.append(Figure(png, f"{kind}: share of each layer's kept routes per expert and step "
-                                          "(metrics.jsonl tokens_per_expert); below, routes dropped at capacity."))
+                                          "(metrics.jsonl tokens_per_expert), one colour scale for every layer"
+                                          + ("; below, routes dropped at capacity." if dropped else
+                                             "; no route was dropped, so there is no drop panel.")))
     if not drawn:
         blocks.append(Para("No run recorded tokens per expert."))
     return blocks
@@ -253,9 +274,9 @@ def _parity_blocks(run: collect.Run | None, out: Path) -> list[Block]:
     png = figures.plot_parity(checks, out / "parity.png", title="parity: largest difference over its tolerance")
     if png:
         blocks.append(Figure(png, "Per check, the largest |difference| over its allowed difference (log scale); "
-                                  "a check passes below 1. Exactly equal results sit at the left edge. Assertions "
-                                  "that two things must differ, or that a call raises, have no tolerance and are not "
-                                  "drawn."))
+                                  "a check passes below 1. Exactly equal results are a stub at 1e-9, labelled exact. "
+                                  "Assertions that two things must differ, or that a call raises, have no tolerance "
+                                  "and are not drawn."))
     return blocks
 
 
@@ -267,10 +288,11 @@ def _comparison_blocks(chosen: dict[str, list[collect.Run]], out: Path) -> list[
             continue
         blocks.append(Heading(f"Comparison: {len(runs)} {kind} runs"))
         flat = [_flatten(r.config or {}) for r in runs]
-        keys = sorted({k for f in flat for k in f if not k.startswith(("schema", "description"))})
+        keys = sorted({k for f in flat for k in f
+                       if not k.startswith(("schema", "description")) and k != "launch.timeout_s"})
         differing = [k for k in keys if len({repr(f.get(k)) for f in flat}) > 1]
         headers = ("setting", *(r.run_id for r in runs))
-        rows = [(k, *(str(f.get(k, "—")) for f in flat)) for k in differing]
+        rows = [(k, *("—" if f.get(k) is None else str(f[k]) for f in flat)) for k in differing]
         for label, get in (("status", lambda r: r.status), ("backend", lambda r: r.summary.get("moe_impl", "—")),
                            ("final loss", lambda r: _fmt(r.summary.get("loss", {}).get("last"))),
                            ("eval loss", lambda r: _fmt((r.summary.get("test") or {}).get("loss"))),
@@ -328,22 +350,27 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 def build_report(paths: list[str], *, root: str | None = None, since: str | None = None) -> ReportResult:
     """Read the runs (the given folders, or the latest of each kind, started at or after `since`),
     write the report folder."""
+    from moebench.errors import UserError
+
     root_path = results.results_root(root)
     if since is not None and paths:
-        from moebench.errors import UserError
-
         raise UserError("applies to the latest runs only; drop it, or the RUN folders", flag="--since")
-    chosen = collect.select(paths, root_path, collect.parse_since(since) if since is not None else None)
+    if not paths and not root_path.is_dir():
+        raise UserError(f"{root_path} does not exist; point it at a results folder (default ./results)",
+                        flag="--results-dir")
+    since_time = collect.parse_since(since) if since is not None else None
+    prefer = {kind: is_chapter_run(kind) for kind in collect.VARIANT_KINDS}
+    chosen = collect.select(paths, root_path, since_time, prefer)
     run_dir = results.RunDir.create("report", root=root)
     run_dir.start({"inputs": [str(r.path) for kind in collect.KINDS for r in chosen[kind]]})
     out = run_dir.path
     try:
+        primary = {kind: _primary(kind, chosen[kind], prefer.get(kind)) for kind in collect.KINDS}
         rows = [row for kind in collect.VARIANT_KINDS
-                for row in variant_rows(kind, chosen[kind][0] if chosen[kind] else None)]
-        rows.append(parity_row(chosen["parity"][0] if chosen["parity"] else None))
+                for row in variant_rows(kind, primary[kind], _missing(kind, paths, since_time, root_path))]
+        rows.append(parity_row(primary["parity"], _missing("parity", paths, since_time, root_path)))
         counts = {v: sum(r["verdict"] == v for r in rows) for v in (REPRODUCED, DIFFERS, NOT_RUN)}
 
-        primary = {kind: (chosen[kind][0] if chosen[kind] else None) for kind in collect.KINDS}
         blocks: list[Block] = [
             Heading("moebench report: did chapter 6 reproduce?", 1),
             Para(f"Compared with {published.CHAPTER}, sections 6.4.1-6.4.4. Built "
@@ -374,4 +401,24 @@ def build_report(paths: list[str], *, root: str | None = None, since: str | None
         status = results.STATUS_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else results.STATUS_FAILED
         run_dir.finish(status, {"error": f"{type(exc).__name__}: {exc}"})
         raise
-    return ReportResult(path=out, rows=rows, counts=counts, runs=chosen)
+    return ReportResult(path=out, rows=rows, counts=counts, runs=chosen, primary=primary)
+
+
+def _primary(kind: str, runs: list[collect.Run], prefer: Callable[[collect.Run], bool] | None):
+    """The run a kind's claims are judged on: the first that is the chapter's experiment, else the first."""
+    if not runs:
+        return None
+    return next((r for r in runs if prefer is not None and prefer(r)), runs[0])
+
+
+COMMANDS = {"fastmoe": "moebench run fastmoe --preset chapter", "deepspeed": "moebench run deepspeed --preset chapter",
+            "parity": "moebench verify-parity --world-size 4"}
+
+
+def _missing(kind: str, paths: list[str], since, root: Path) -> str:
+    """Why a kind has no run, in the words of how runs were chosen."""
+    if paths:
+        return f"no {kind} run among the RUN folders given (add one, or give no RUN for the latest)"
+    if since is not None:
+        return f"no {kind} run started since {since.isoformat(timespec='seconds')}: run `{COMMANDS[kind]}`"
+    return f"no {kind} run under {root}: run `{COMMANDS[kind]}`"

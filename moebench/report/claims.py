@@ -101,6 +101,17 @@ def format_number(value, unit: str = "") -> str:
     return f"{value:.6g}"
 
 
+def format_published(value, unit: str = "") -> str:
+    """A published figure with the precision the chapter printed (273 M, 45 %, 1.784354)."""
+    if isinstance(value, (str, list, tuple)) or value is None:
+        return format_number(value, unit) if not isinstance(value, str) else value
+    if unit == "params":
+        return f"{value / 1e6:g} M"
+    if unit == "%":
+        return f"{value:g} %"
+    return f"{value:.10g}"
+
+
 def difference_text(row: dict) -> str:
     diff = row["difference"]
     if diff is None:
@@ -123,5 +134,5 @@ def comparison_table(rows: list[dict], title: str):
         table.add_column(col, justify="right" if col in ("measured", "chapter", "difference") else "left")
     for r in rows:
         table.add_row(r["label"], format_number(r["measured"], r["unit"]),
-                      format_number(r["published"], r["unit"]), difference_text(r), r["section"])
+                      format_published(r["published"], r["unit"]), difference_text(r), r["section"])
     return table

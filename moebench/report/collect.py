@@ -7,7 +7,7 @@ import dataclasses
 import datetime
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from moebench import results
 from moebench.errors import UserError
@@ -71,10 +71,11 @@ def _read_jsonl_lenient(path: Path) -> list[dict]:
 
 
 def load_run(path: Path) -> Run:
+    unreadable = ""
     try:
         summary = results.read_json(path / "summary.json")
-    except (OSError, ValueError):
-        summary = {}
+    except (OSError, ValueError) as exc:
+        summary, unreadable = {}, f"summary.json is not readable JSON ({exc})"
     try:
         config = results.read_json(path / "config.json")
     except (OSError, ValueError):
@@ -82,19 +83,25 @@ def load_run(path: Path) -> Run:
     status = results.status_of(path) if summary else "unreadable"
     return Run(path=path, kind=summary.get("kind") or path.parent.name, status=status, summary=summary,
                config=config, metrics=_read_jsonl_lenient(path / "metrics.jsonl"),
-               error=str(summary.get("error") or ""))
+               error=unreadable or str(summary.get("error") or ""))
 
 
-def latest(root: Path, kind: str, since: datetime.datetime | None = None) -> Run | None:
+def latest(root: Path, kind: str, since: datetime.datetime | None = None,
+           prefer: Callable[[Run], bool] | None = None) -> Run | None:
     """The newest run of one kind, whatever its status (a failed latest run is reported as failed);
-    with `since`, only a run started at or after it (an older one is not this session's)."""
+    with `prefer`, the newest run it accepts if there is one (the newest run otherwise); with
+    `since`, only runs started at or after it (an older one is not this session's)."""
+    newest = None
     for path in results.latest_runs(kind, root):
-        if (path / "summary.json").exists():
-            run = load_run(path)
-            if since is not None and _started(run) < since:
-                return None
+        if not (path / "summary.json").exists():
+            continue
+        run = load_run(path)
+        if since is not None and _started(run) < since:
+            break  # run ids sort by time: every later one is older still
+        if prefer is None or prefer(run):
             return run
-    return None
+        newest = newest or run
+    return newest
 
 
 def _started(run: Run) -> datetime.datetime:
@@ -114,21 +121,28 @@ def parse_since(text: str) -> datetime.datetime:
     raise UserError(f"{text!r} is not a time; give 2026-11-23T15:04:05 or 20261123-150405", flag="--since")
 
 
-def select(paths: list[str], root: Path, since: datetime.datetime | None = None) -> dict[str, list[Run]]:
-    """Runs per kind: the given folders (in the order given), or the latest of each kind."""
+def select(paths: list[str], root: Path, since: datetime.datetime | None = None,
+           prefer: dict[str, Callable[[Run], bool]] | None = None) -> dict[str, list[Run]]:
+    """Runs per kind: the given folders (in the order given), or the latest of each kind (for a kind
+    in `prefer`, the latest that predicate accepts, if any)."""
     chosen: dict[str, list[Run]] = {kind: [] for kind in KINDS}
     if not paths:
         for kind in KINDS:
-            run = latest(root, kind, since)
+            run = latest(root, kind, since, (prefer or {}).get(kind))
             if run is not None:
                 chosen[kind].append(run)
         return chosen
     for raw in paths:
         path = Path(raw)
+        if not path.exists():
+            raise UserError(f"{raw} does not exist; pass results/<kind>/<run-id> folders, or nothing for the "
+                            "latest run of each kind", flag="RUN")
         if not (path / "summary.json").is_file():
             raise UserError(f"{raw} is not a run folder (no summary.json in it); pass results/<kind>/<run-id> "
                             "folders, or nothing for the latest run of each kind", flag="RUN")
         run = load_run(path)
+        if run.status == "unreadable":
+            raise UserError(f"{raw}: {run.error}; the run's files are damaged", flag="RUN")
         if run.kind not in chosen:
             raise UserError(f"{raw} is a {run.kind!r} run; a report reads {', '.join(KINDS)} runs", flag="RUN")
         if any(r.path.resolve() == path.resolve() for r in chosen[run.kind]):

@@ -56,8 +56,14 @@ def plot_loss(metrics: list[dict], path: Path, *, title: str = "", steps_per_epo
     if steps_per_epoch and last > steps_per_epoch:
         for boundary in range(steps_per_epoch, last, steps_per_epoch):
             ax.axvline(boundary + 0.5, color="grey", ls=":", lw=0.8)
-        ax.text(steps_per_epoch + 0.5, 1.0, " epoch boundaries", transform=ax.get_xaxis_transform(), va="top",
+        ax.text(steps_per_epoch + 0.5, 0.02, " epoch boundaries", transform=ax.get_xaxis_transform(), va="bottom",
                 fontsize=8, color="grey")
+        # The measured epoch means: what the chapter's per-epoch marks compare with.
+        for i, start in enumerate(range(0, len(metrics), steps_per_epoch)):
+            chunk = metrics[start:start + steps_per_epoch]
+            mean = sum(m["loss"] for m in chunk) / len(chunk)
+            ax.hlines(mean, chunk[0]["step"] - 0.5, chunk[-1]["step"] + 0.5, color="black", lw=1.6,
+                      label="epoch mean (measured)" if i == 0 else None, zorder=3)
     if eval_loss is not None:
         ax.plot([last], [eval_loss], marker="D", color=COLORS["eval"], ls="none",
                 label=f"eval loss, held-out batch ({eval_loss:.3f})")
@@ -65,8 +71,9 @@ def plot_loss(metrics: list[dict], path: Path, *, title: str = "", steps_per_epo
         ax.plot([step], [value], marker="o", mfc="none", mec=COLORS["chapter"], mew=1.8, ms=9, ls="none",
                 label="chapter (published)" if i == 0 else None)
         right = step > 0.6 * last  # near the right edge the label goes left of its mark, inside the axes
-        ax.annotate(label, (step, value), textcoords="offset points", xytext=(-8 if right else 8, 6), fontsize=8,
-                    color=COLORS["chapter"], ha="right" if right else "left")
+        ax.annotate(label, (step, value), textcoords="offset points", xytext=(-8 if right else 8, -14), fontsize=8,
+                    color=COLORS["chapter"], ha="right" if right else "left", zorder=5,
+                    bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.85})
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("MSE loss")
     _integer_steps(ax)
@@ -75,13 +82,16 @@ def plot_loss(metrics: list[dict], path: Path, *, title: str = "", steps_per_epo
     aux = [m.get("aux_loss") or 0.0 for m in metrics]
     if any(aux):
         ax2 = ax.twinx()  # its own axis: DeepSpeed's raw l_aux (~2) would dwarf the MSE
-        ax2.plot(steps, aux, color=COLORS["aux"], lw=1.0, alpha=0.7)
+        ax2.plot(steps, aux, color=COLORS["aux"], lw=0.7, alpha=0.45)
+        ax.set_zorder(ax2.get_zorder() + 1)  # the loss, its marks and the legend above the aux line
+        ax.patch.set_visible(False)
         coef = f" (× {aux_coef:g} in the objective)" if aux_coef is not None else ""
         ax2.set_ylabel(f"aux loss, raw{coef}", color=COLORS["aux"])
         ax2.tick_params(axis="y", colors=COLORS["aux"])
         handles.append(plt.Line2D([], [], color=COLORS["aux"]))
         labels.append("aux (balance) loss, right axis")
-    ax.legend(handles, labels, fontsize=8, loc="upper right")
+    ax.legend(handles, labels, fontsize=8, loc="upper right", framealpha=1.0)
+    ax.margins(y=0.12)  # room for the marks' labels inside the axes
     ax.set_title(title, fontsize=11)
     return _save(fig, path)
 
@@ -132,6 +142,9 @@ def plot_expert_load(metrics: list[dict], path: Path, *, title: str) -> Path | N
     fig, axes = plt.subplots(n_axes, 1, figsize=(8, 2.4 * layers + (1.8 if drops else 0) + 0.6), squeeze=False,
                              gridspec_kw={"height_ratios": [3] * layers + ([1.6] if drops else [])})
     steps = [m["step"] for m in rows]
+    shares = [[[(c[e] / sum(c) if c and sum(c) else 0.0) for e in range(len(c or []))]
+               for c in (m["tokens_per_expert"][layer] for m in rows)] for layer in range(layers)]
+    vmax = max((v for layer in shares for step in layer for v in step), default=1.0) or 1.0  # one scale for all
     for layer in range(layers):
         ax = axes[layer][0]
         counts = [m["tokens_per_expert"][layer] or [] for m in rows]
@@ -141,7 +154,7 @@ def plot_expert_load(metrics: list[dict], path: Path, *, title: str) -> Path | N
             continue
         grid = [[(c[e] / sum(c) if c and sum(c) else 0.0) for c in counts] for e in range(experts)]
         image = ax.imshow(grid, aspect="auto", origin="lower", cmap="viridis", interpolation="nearest",
-                          extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, experts - 0.5))
+                          extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, experts - 0.5), vmin=0.0, vmax=vmax)
         ax.set_ylabel(f"layer {layer}\nexpert")
         fig.colorbar(image, ax=ax, label="share of kept routes", pad=0.01)
         _integer_steps(ax)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import html
+import re
 from pathlib import Path
 
 
@@ -78,10 +79,17 @@ tr.not-run td.v, tr.warn td.v, tr.skip td.v, tr.interrupted td.v, tr.abandoned t
        font-weight: 600; }
 figure { margin: 1em 0; } figure img { max-width: 100%; border: 1px solid #eee; }
 figcaption { font-size: .85em; color: #555; }
+code { font-family: ui-monospace, monospace; font-size: .92em; background: #f4f4f4; padding: 0 .2em; }
 """
 
 
 V_CELL = '<td class="v">'
+CODE = re.compile(r"`([^`]+)`")
+
+
+def _inline(text: str) -> str:
+    """Escaped text, with Markdown's `code` spans as <code> (the HTML shows no raw backticks)."""
+    return CODE.sub(r"<code>\1</code>", html.escape(str(text)))
 
 
 def html_document(blocks: list[Block], *, title: str, verdict_column: str = "verdict") -> str:
@@ -92,16 +100,16 @@ def html_document(blocks: list[Block], *, title: str, verdict_column: str = "ver
         if isinstance(block, Heading):
             parts.append(f"<h{block.level}>{html.escape(block.text)}</h{block.level}>")
         elif isinstance(block, Para):
-            parts.append(f"<p>{html.escape(block.text)}</p>")
+            parts.append(f"<p>{_inline(block.text)}</p>")
         elif isinstance(block, Bullets):
-            parts.append("<ul>" + "".join(f"<li>{html.escape(i)}</li>" for i in block.items) + "</ul>")
+            parts.append("<ul>" + "".join(f"<li>{_inline(i)}</li>" for i in block.items) + "</ul>")
         elif isinstance(block, Table):
             head = "".join(f"<th>{html.escape(h)}</th>" for h in block.headers)
             marked = {i for i, h in enumerate(block.headers) if h in (verdict_column, "status")}
             body = []
             for n, row in enumerate(block.rows):
                 cls = block.classes[n].replace(" ", "-") if n < len(block.classes) else ""
-                cells = "".join((V_CELL if i in marked else "<td>") + html.escape(str(c)) + "</td>"
+                cells = "".join((V_CELL if i in marked else "<td>") + _inline(c) + "</td>"
                                 for i, c in enumerate(row))
                 body.append(f"<tr class=\"{html.escape(cls)}\">{cells}</tr>" if cls else f"<tr>{cells}</tr>")
             parts.append(f"<table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n" + "\n".join(body)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moebench.report.claims import DIFFERS, NOT_RUN, REPRODUCED, format_number
+from moebench.report.claims import DIFFERS, NOT_RUN, REPRODUCED, format_number, format_published
 
 STYLE = {REPRODUCED: "green", DIFFERS: "red", NOT_RUN: "yellow"}
 
@@ -25,6 +25,6 @@ def verdict_table(rows: list[dict]):
     for i, r in enumerate(rows):
         last_of_variant = i + 1 == len(rows) or rows[i + 1]["variant"] != r["variant"]
         label = r["label"] if r["variant"] == "parity" else f"{r['variant']}: {r['label']}"
-        table.add_row(label, _text(r["measured"], r["unit"]), _text(r["published"], r["unit"]),
+        table.add_row(label, _text(r["measured"], r["unit"]), format_published(r["published"], r["unit"]),
                       f"[{STYLE[r['verdict']]}]{r['verdict']}[/]", end_section=last_of_variant)
     return table

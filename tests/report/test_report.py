@@ -177,8 +177,9 @@ def test_a_missing_run_is_not_run(results_root):
     shutil.rmtree(results_root / "deepspeed")
     shutil.rmtree(results_root / "parity")
     result = build.build_report([], root=str(results_root))
-    assert all(r["verdict"] == "not run" and "no deepspeed run found" in r["reason"]
-               for r in _rows(result, "deepspeed").values())
+    for r in _rows(result, "deepspeed").values():
+        assert r["verdict"] == "not run" and f"no deepspeed run under {results_root}" in r["reason"]
+        assert "moebench run deepspeed --preset chapter" in r["reason"]
     assert _rows(result, "parity")["parity"]["verdict"] == "not run"
     assert "Not run: no deepspeed run found" in (result.path / "REPORT.md").read_text()
 
@@ -186,6 +187,7 @@ def test_a_missing_run_is_not_run(results_root):
 def test_since_ignores_older_runs(results_root):
     result = build.build_report([], root=str(results_root), since="2999-01-01T00:00:00")
     assert result.counts["not run"] == len(result.rows)
+    assert all("started since 2999-01-01T00:00:00" in r["reason"] for r in result.rows)
 
 
 def test_a_failing_parity_check_differs(results_root):
@@ -378,3 +380,53 @@ def test_parity_is_judged_on_the_whole_suite_only(results_root):
     (run / "summary.json").write_text(json.dumps(data))
     row = _rows(build.build_report([], root=str(results_root)), "parity")["parity"]
     assert row["verdict"] == "reproduced" and row["measured"].startswith(f"{len(data['checks'])} pass")
+
+
+def test_the_chapter_run_is_judged_whatever_the_order_or_a_newer_quick_run(results_root):
+    chapter = _as_chapter(results_root, "fastmoe")
+    out = _cli("run", "fastmoe", "--steps", "3", "--results-dir", str(results_root))  # newer, not the chapter's
+    assert out.returncode == 0, out.stderr
+    quick = next(p for p in (results_root / "fastmoe").iterdir() if p != chapter)
+    for paths in ([], [str(quick), str(chapter)], [str(chapter), str(quick)]):
+        result = build.build_report(paths, root=str(results_root))
+        assert result.primary["fastmoe"].path == chapter
+        assert all(r["run_id"] == chapter.name and r["verdict"] != "not run" or r["key"].startswith("data.")
+                   for r in _rows(result, "fastmoe").values())
+    cli = _cli("report", "--results-dir", str(results_root))
+    assert f"fastmoe    {chapter.name} (ok)" in cli.stdout  # the console names the runs it judged
+
+
+def test_a_kind_not_among_the_given_runs_says_so(results_root):
+    result = build.build_report([str(_run(results_root, "fastmoe"))], root=str(results_root))
+    deepspeed = _rows(result, "deepspeed").values()
+    assert all("no deepspeed run among the RUN folders given" in r["reason"] for r in deepspeed)
+    assert "no parity run among the RUN folders given" in _rows(result, "parity")["parity"]["reason"]
+
+
+@pytest.mark.no_schema_check
+def test_a_damaged_summary_is_refused_as_a_run_and_reported_when_latest(results_root):
+    run = _run(results_root, "deepspeed")
+    text = (run / "summary.json").read_text()
+    (run / "summary.json").write_text(text[: len(text) // 2])
+    out = _cli("report", str(run), "--results-dir", str(results_root))
+    assert out.returncode == 2 and "not readable JSON" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    rows = _rows(build.build_report([], root=str(results_root)), "deepspeed")
+    assert all(r["verdict"] == "not run" and "not readable JSON" in r["reason"] for r in rows.values())
+
+
+def test_a_results_dir_that_does_not_exist_is_an_error(tmp_path):
+    out = _cli("report", "--results-dir", str(tmp_path / "typo"))
+    assert out.returncode == 2 and "--results-dir" in out.stderr and "does not exist" in out.stderr
+    assert not (tmp_path / "typo").exists()
+
+
+def test_html_has_no_raw_markdown(results_root):
+    page = (build.build_report([], root=str(results_root)).path / "report.html").read_text()
+    assert "`" not in page and "<code>moebench run fastmoe --preset chapter</code>" in page
+
+
+def test_the_drop_tolerance_carries_the_end_loss_tolerance():
+    fig = next(f for f in published.FASTMOE if f.key == "loss.drop_pct")
+    assert fig.tolerance == pytest.approx(100 * published.LOSS_REL * 1.11 / 2.04)  # 5.44 pp
+    ds = next(f for f in published.DEEPSPEED if f.key == "derived.epoch_loss_drop_pct")
+    assert ds.tolerance == pytest.approx(100 * published.LOSS_REL * 1.000710 / 1.784354)
