@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import os
 import statistics
-import sys
 import time
 from typing import Callable
 
@@ -196,22 +195,6 @@ def time_call(fn: Callable) -> float:
     return time.perf_counter() - t0
 
 
-@contextlib.contextmanager
-def _stderr_silenced():
-    """File descriptor 2 to /dev/null: torch's profiler (kineto) prints "USDT: ... profiler_start"
-    lines from C++ on every start and stop, with no setting to turn them off."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
-
-
 def reference_breakdown(p: Point) -> dict:
     """torch.profiler over one fwd+bwd of the reference layer: share of CPU time in the expert
     GEMMs (mm / addmm / linear's matmuls) vs the rest (gate, sort/dispatch, combine, GELU...)."""
@@ -220,7 +203,10 @@ def reference_breakdown(p: Point) -> dict:
     fns, skipped = build_layers(p, ("reference",), _DeepSpeed())
     fn = fns["reference"]
     fn()
-    with _stderr_silenced(), profile(activities=[ProfilerActivity.CPU]) as prof:
+    from moebench.console import stderr_to_devnull
+
+    # torch's profiler (kineto) prints "USDT: ... profiler_start/stop" from C++, with no setting to stop it.
+    with stderr_to_devnull(), profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
     gemm_ops = {"aten::mm", "aten::addmm", "aten::bmm"}
     groups = {"gemm": 0.0, "gate_topk": 0.0, "sort_dispatch": 0.0, "combine": 0.0, "activation": 0.0, "other": 0.0}

@@ -89,6 +89,14 @@ class PublishedFigure:
 
 
 _FASTMOE_SECTION = "6.4.3-6.4.4 (fastmoe)"
+
+
+def _range_figure(key: str, label: str, value: float, printed: str) -> PublishedFigure:
+    """One bound of the data ranges the chapter prints (all four share section, tolerance, cause)."""
+    return PublishedFigure(key=key, label=label, value=value, unit="value", section=f"{_FASTMOE_SECTION}: {printed}",
+                           tolerance=RANGE_TOL, tolerance_reason="spread of the extreme of 2.6e5 normals",
+                           if_differs="extremes grow with the sample count: compared over one (32, 8, 1024) batch")
+
 _REGIME = ("the chapter prints no batch size, step count or data regime for fastmoe; moebench's chapter preset "
            "assumes 100 steps of fresh random batches (see the preset's description)")
 
@@ -119,22 +127,12 @@ FASTMOE: tuple[PublishedFigure, ...] = (
                                          "and a shorter run stops higher"),
     PublishedFigure(key="loss.drop_pct", label="training loss drop", value=45.0, unit="%", section=_FASTMOE_SECTION,
                     tolerance=drop_tolerance_pp(2.04, 1.11), tolerance_reason=DROP_REASON, if_differs=_REGIME),
-    PublishedFigure(key="data.batch_input_min", label="input range, min", value=-4.114, unit="value",
-                    section=_FASTMOE_SECTION + ": [-4.114, 4.577]", tolerance=RANGE_TOL,
-                    tolerance_reason="spread of the extreme of 2.6e5 normals",
-                    if_differs="extremes grow with the sample count: compared over one (32, 8, 1024) batch"),
-    PublishedFigure(key="data.batch_input_max", label="input range, max", value=4.577, unit="value",
-                    section=_FASTMOE_SECTION + ": [-4.114, 4.577]", tolerance=RANGE_TOL,
-                    tolerance_reason="spread of the extreme of 2.6e5 normals",
-                    if_differs="extremes grow with the sample count: compared over one (32, 8, 1024) batch"),
-    PublishedFigure(key="data.batch_target_min", label="label range, min", value=-4.417, unit="value",
-                    section=_FASTMOE_SECTION + ": [-4.417, 4.294]", tolerance=RANGE_TOL,
-                    tolerance_reason="spread of the extreme of 2.6e5 normals",
-                    if_differs="extremes grow with the sample count: compared over one (32, 8, 1024) batch"),
-    PublishedFigure(key="data.batch_target_max", label="label range, max", value=4.294, unit="value",
-                    section=_FASTMOE_SECTION + ": [-4.417, 4.294]", tolerance=RANGE_TOL,
-                    tolerance_reason="spread of the extreme of 2.6e5 normals",
-                    if_differs="extremes grow with the sample count: compared over one (32, 8, 1024) batch"),
+    *(_range_figure(key, label, value, printed) for key, label, value, printed in (
+        ("data.batch_input_min", "input range, min", -4.114, "[-4.114, 4.577]"),
+        ("data.batch_input_max", "input range, max", 4.577, "[-4.114, 4.577]"),
+        ("data.batch_target_min", "label range, min", -4.417, "[-4.417, 4.294]"),
+        ("data.batch_target_max", "label range, max", 4.294, "[-4.417, 4.294]"),
+    )),
 )
 
 _DS_SECTION = "6.4.3-6.4.4 (DeepSpeed)"

@@ -17,7 +17,8 @@ def report(
     runs: Optional[List[str]] = typer.Argument(
         None, metavar="RUN",
         help="Run folders (results/<kind>/<run-id>) to read; several of one kind are compared. "
-             "Default: the latest run of each kind under the results root."),
+             "Default: the latest run of each kind under the results root (for a variant, its latest "
+             "run of the chapter's experiment, if there is one)."),
     since: Optional[str] = typer.Option(
         None, "--since", metavar="TIME",
         help="Only runs started at or after TIME (2026-11-23T15:04:05 or 20261123-150405); an older latest run "

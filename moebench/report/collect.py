@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 from pathlib import Path
 from typing import Any, Callable
@@ -37,8 +38,12 @@ class Run:
     """ok / failed / interrupted / abandoned / running / unreadable."""
     summary: dict
     config: dict | None
-    metrics: list[dict]
     error: str = ""
+
+    @functools.cached_property
+    def metrics(self) -> list[dict]:
+        """metrics.jsonl, read when first asked for (scanning runs for the chapter's reads none)."""
+        return _read_jsonl_lenient(self.path / "metrics.jsonl")
 
     @property
     def run_id(self) -> str:
@@ -82,8 +87,7 @@ def load_run(path: Path) -> Run:
         config = None
     status = results.status_of(path) if summary else "unreadable"
     return Run(path=path, kind=summary.get("kind") or path.parent.name, status=status, summary=summary,
-               config=config, metrics=_read_jsonl_lenient(path / "metrics.jsonl"),
-               error=unreadable or str(summary.get("error") or ""))
+               config=config, error=unreadable or str(summary.get("error") or ""))
 
 
 def latest(root: Path, kind: str, since: datetime.datetime | None = None,
