@@ -29,8 +29,9 @@ def main() -> None:
         code = 130
     finally:
         signals.ignore()  # on the way out: a late signal must not kill the interpreter's shutdown
-    code = 130 if signals.received() is not None else code
-    if _is_torch_rank():
+    interrupted = signals.received() is not None
+    code = 130 if interrupted else code
+    if interrupted or _is_torch_rank():
         finish_rank(code)
     sys.exit(code)
 
@@ -42,12 +43,15 @@ def _is_torch_rank() -> bool:
 
 
 def finish_rank(code: int | str | None) -> None:
-    """End a rank of an external launch (torchrun) without interpreter finalisation.
+    """End without interpreter finalisation: a rank of an external launch (torchrun), or a command
+    that a signal interrupted (its files already say so).
 
     The exit handlers run first, while the interpreter is whole (they tear the process groups
-    down), then the process leaves with os._exit. Finalisation is what is skipped: there, a gloo
-    or DeepSpeed object freed late can abort the rank ("terminate called without an active
-    exception", SIGABRT), which torchrun reports as the job's failure after a clean run."""
+    down), then the process leaves with os._exit, with the exit code chosen here. Finalisation is
+    what is skipped: there, a gloo or DeepSpeed object freed late can abort a rank ("terminate
+    called without an active exception", SIGABRT), which torchrun reports as the job's failure
+    after a clean run; and CI saw an interrupted run that had printed its message end as killed
+    by SIGINT (-2) instead of exiting 130."""
     if isinstance(code, str):  # sys.exit("message") semantics: print it, exit 1
         print(code, file=sys.stderr)
         code = 1

@@ -50,3 +50,30 @@ def test_the_stand_in_does_abort_without_it(tmp_path):
     out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "m"), "0"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == -6
+
+
+def test_an_interrupted_command_also_skips_finalisation(tmp_path):
+    """A signal handled by the console script: exit 130, and nothing freed at finalisation can
+    change that (the stand-in aborts when freed)."""
+    script = textwrap.dedent("""
+        import os, signal, sys, time, types
+
+        class AbortsWhenFinalised:
+            def __del__(self):
+                os.abort()
+
+        KEEP = AbortsWhenFinalised()
+        fake = types.ModuleType("moebench.cli.app")
+
+        def app():
+            os.kill(os.getpid(), signal.SIGTERM)  # the console script's handler raises KeyboardInterrupt
+            time.sleep(30)
+
+        fake.app = app
+        sys.modules["moebench.cli.app"] = fake
+        from moebench import entry
+        entry.main()
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 130, out.stderr
+    assert "interrupted" in out.stderr
