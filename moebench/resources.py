@@ -59,8 +59,9 @@ def require_fits(config, *, force: bool = False, available: int | None = None) -
     dominant = max(("parameters", "activations", "data"), key=need.get)
     flag = {"parameters": "--experts" if 2 * config.expert_weights > config.weights else "--d-model",
             "activations": "--batch-size", "data": "--samples"}[dominant]
+    others = " / ".join(f for f in ("--d-model", "--d-hidden", "--world-size") if f != flag)
     gib = 1024**3
     raise UserError(
         f"this run needs ~{need['total'] / gib:.1f} GiB ({dominant} {need[dominant] / gib:.1f} GiB, over "
         f"{need['local_ranks']} local rank(s)) and {have / gib:.1f} GiB is available; lower {flag} "
-        "(or --d-model / --d-hidden / --world-size), or add --force to run anyway", flag=flag)
+        f"(or {others}), or add --force to run anyway", flag=flag)

@@ -21,7 +21,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from moebench import results
 from moebench.distributed.launch import RankContext, launch, sigterm_as_interrupt, under_torchrun
@@ -30,6 +30,25 @@ from moebench.errors import RunFailed
 WARMUP_STEPS = 2
 """Steps left out of the steady-state tokens/s: the first allocates buffers and optimizer state,
 the second still pays for allocator growth (the chapter model's first step is ~10x a later one)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepParts:
+    """One training step of a variant cut into its phases, on one in-process rank, for timing
+    (`moebench bench --train`). Each variant's `step_parts(config)` yields one."""
+
+    data: Callable[[int], tuple]
+    """step -> (inputs, targets) on the model's device: the batch the run would train on."""
+    forward: Callable[[tuple], Any]
+    """batch -> the loss the run backpropagates (MSE + aux coefficient x aux loss)."""
+    backward: Callable[[Any], None]
+    """loss -> gradients in place (through the engine where the variant trains through one)."""
+    optimizer: Callable[[], None]
+    """Apply the update and clear the gradients, as the run does."""
+    trainable_params: int
+    """Elements the optimizer updates (this rank's)."""
+    optimizer_name: str
+    """What steps, in words (e.g. "torch.optim.Adam(fused=True)")."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -206,18 +225,18 @@ def execute_run(
                       aux_coef=(config.get("train") or {}).get("aux_loss_coef"))
                 final = run.finish(results.STATUS_OK, summary)
         except KeyboardInterrupt:
-            _record_end(run, results.STATUS_INTERRUPTED, "interrupted (Ctrl-C or SIGTERM)")
+            record_end(run, results.STATUS_INTERRUPTED, "interrupted (Ctrl-C or SIGTERM)")
             raise
         except BaseException as exc:
             error = f"{type(exc).__name__}: {exc}"
-            unwritten = _record_end(run, results.STATUS_FAILED, error)
+            unwritten = record_end(run, results.STATUS_FAILED, error)
             if isinstance(exc, RunFailed) and not unwritten:
                 raise
             raise RunFailed(error + (f"; {unwritten}" if unwritten else ""), run_path) from exc
     return RunOutcome(run_path=run_path, summary=final if run is not None else summary)
 
 
-def _record_end(run: results.RunDir | None, status: str, error: str) -> str:
+def record_end(run: results.RunDir | None, status: str, error: str) -> str:
     """Write the final status, as well as can be: "" when written, else why not (a read-only or
     full disk must not turn the failure into a traceback; a later command reports the run as
     abandoned from its pid)."""

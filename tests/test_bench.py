@@ -9,6 +9,8 @@ import torch
 from typer.testing import CliRunner
 
 from moebench import bench as core
+from moebench.bench import parallel as core_parallel
+from moebench.bench import train_step
 from moebench.cli.app import app
 from moebench.models.moe import build_moe_mlp
 
@@ -16,7 +18,7 @@ from moebench.models.moe import build_moe_mlp
 def test_bench_command_fields(tmp_path):
     args = ["bench", "--experts", "2,4", "--tokens", "64", "--top-k", "2", "--d-model", "32", "--d-hidden", "64",
             "--repeats", "2", "--warmup", "1", "--layers", "ideal,dense,reference,fmoe,grouped-mm",
-            "--json", "--results-dir", str(tmp_path)]
+            "--ep-layers", "none", "--json", "--results-dir", str(tmp_path)]
     out = CliRunner().invoke(app, args)
     assert out.exit_code == 0, out.output
     doc = json.loads(out.stdout[out.stdout.index("{"):])
@@ -89,3 +91,82 @@ def test_grouped_mm_matches_loop_when_supported():
     except (RuntimeError, AttributeError) as e:
         pytest.skip(f"grouped_mm unsupported here: {e}")
     torch.testing.assert_close(got, core.per_expert_loop(slots, counts, *w), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.multirank
+def test_expert_parallel_and_comm_sections(tmp_path):
+    args = ["bench", "--experts", "2,4", "--tokens", "64", "--top-k", "1", "--d-model", "32", "--d-hidden", "64",
+            "--repeats", "2", "--layers", "ideal", "--world-size", "1,2", "--comm", "--json",
+            "--results-dir", str(tmp_path)]
+    out = CliRunner().invoke(app, args)
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.stdout[out.stdout.index("{"):])
+    ep = doc["expert_parallel"]
+    assert {(r["layer"], r["world_size"], r["experts"]) for r in ep} == {
+        (layer, w, e) for layer in ("reference-ep", "deepspeed-ep-cf1") for w in (1, 2) for e in (2, 4)}
+    cores = core_parallel.usable_cores()
+    for r in ep:
+        assert not r["skipped"], r
+        assert r["min_s"] <= r["time_s"] <= r["max_s"]
+        assert r["tokens_per_s"] == pytest.approx(r["world_size"] * 64 / r["time_s"])
+        assert r["oversubscribed"] == (r["world_size"] * r["threads_per_rank"] > cores)
+        assert sum(r["share"].values()) == pytest.approx(1.0)
+        if r["world_size"] == 1:
+            assert r["vs_world_1"] == 1.0 and r["share"]["comm"] == 0.0  # one rank exchanges nothing
+        else:
+            assert r["share"]["comm"] > 0.0  # the all-to-all shows up in the profile
+    (comm,) = doc["comm"]  # one size (64 tokens x k 1 x d 32), one world size > 1, gloo only on CPU
+    assert comm["world_size"] == 2 and comm["backend"] == "gloo"
+    assert comm["bytes_per_rank"] == 64 * 32 * 4
+    assert comm["bytes_per_s"] == pytest.approx(comm["bytes_per_rank"] / 2 / comm["time_s"])
+    run_dir = next((tmp_path / "bench").iterdir())
+    assert "tokens_per_s_vs_world_size.png" in doc["plots"] and (run_dir / "tokens_per_s_vs_world_size.png").is_file()
+    text = core.format_summary(doc)
+    assert "expert parallel" in text and "all-to-all alone" in text
+    assert all(len(line) <= 80 for line in text.splitlines())
+
+
+def test_train_breakdown_phases_and_bounds(tmp_path):
+    out = CliRunner().invoke(app, ["bench", "--train", "--preset", "quick", "--repeats", "2", "--json",
+                                   "--results-dir", str(tmp_path)])
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.stdout[out.stdout.index("{"):])
+    train = doc["train"]
+    rates = train["rates"]
+    assert rates["gemm_flop_per_s"] > 1e9 and rates["memory_bytes_per_s"] > 1e8
+    from moebench import variants
+
+    assert [v["variant"] for v in train["variants"]] == [v.name for v in variants.VARIANTS]
+    for v in train["variants"]:
+        phases = {p["phase"]: p for p in v["phases"]}
+        assert list(phases) == ["data", "forward", "backward", "optimizer"]
+        assert sum(p["share"] for p in phases.values()) == pytest.approx(1.0)
+        assert v["step_s"] == pytest.approx(sum(p["time_s"] for p in phases.values()))
+        # backward does about twice the forward's matmul work (two GEMMs per forward GEMM)
+        assert 1.5 < phases["backward"]["work"] / phases["forward"]["work"] < 2.5
+        assert phases["optimizer"]["work"] == train_step.ADAM_BYTES_PER_PARAM * v["trainable_params"]
+        for p in phases.values():
+            rate = rates["gemm_flop_per_s"] if p["unit"] == "flop" else rates["memory_bytes_per_s"]
+            assert p["bound_s"] == pytest.approx(p["work"] / rate)
+            assert p["x_bound"] == pytest.approx(p["time_s"] / p["bound_s"])
+    text = core.format_summary(doc)
+    assert "training step, phase by phase" in text and all(len(line) <= 80 for line in text.splitlines())
+
+
+def test_forward_flops_match_the_model(tmp_path):
+    """FlopCounterMode's forward count for the fastmoe quick preset equals the matmuls by hand."""
+    from helpers import make_config
+
+    from moebench import variants
+
+    config = make_config("fastmoe", "quick", moe_impl="reference")
+    variant = variants.by_name("fastmoe")
+    rates = {"gemm_flop_per_s": 1e11, "memory_bytes_per_s": 1e10}
+    result = train_step.breakdown(variant, config, steps=1, warmup=0, rates=rates)
+    forward = next(p for p in result["phases"] if p["phase"] == "forward")
+    m, t = config.model, config.train.tokens_per_step
+    s, b = config.train.seq_len, config.train.batch_size
+    attention = 4 * 2 * t * m.d_model * m.d_model + 2 * 2 * b * s * s * m.d_model  # q,k,v,out + scores, values
+    gate = 2 * t * m.d_model * config.moe.experts
+    experts = 2 * 2 * t * config.moe.top_k * m.d_model * config.moe.d_hidden
+    assert forward["work"] == m.layers * (attention + gate + experts)

@@ -1,5 +1,6 @@
 """`moebench bench`: forward + backward of one MoE layer (ideal, dense, reference, DeepSpeed,
-fmoe, grouped-mm) over a sweep, with medians, spreads and same-process ratios."""
+fmoe, grouped-mm) over a sweep, the expert-parallel layers on several ranks, all-to-all alone,
+and (--train) one training step of each variant's preset phase by phase."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import typer
 from moebench.cli import flags
 
 app = typer.Typer()
+
+QUICK = {"experts": "4,16", "tokens": "1024", "top_k": "2", "d_model": 256, "d_hidden": 1024, "world_size": "1,2"}
+"""--quick: small enough to run in well under a minute on 2 cores, every section still present."""
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -25,55 +29,75 @@ def _ints(text: str, flag: str) -> list[int]:
     return values
 
 
+def _names(text: str, known: tuple[str, ...], flag: str) -> tuple[str, ...]:
+    from moebench.errors import UserError
+
+    names = tuple(n.strip().lower() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise UserError(f"unknown layer(s) {unknown or [text]}; choose from {', '.join(known)}", flag=flag)
+    return names
+
+
 @app.command("bench")
 def bench(
-    quick: bool = typer.Option(False, "--quick", help="E 4,16; T 1024; k 2; d 256/1024; 1 repeat."),
+    quick: bool = typer.Option(False, "--quick", help="E 4,16; T 1024; k 2; d 256/1024; ranks 1,2; 1 repeat."),
     experts: str = typer.Option("4,16,64", "--experts", help="Comma-separated expert counts."),
-    tokens: str = typer.Option("2048,8192", "--tokens", help="Comma-separated tokens per layer call."),
+    tokens: str = typer.Option("2048,8192", "--tokens", help="Comma-separated tokens per layer call (per rank)."),
     top_k: str = typer.Option("2", "--top-k", help="Comma-separated k values."),
-    d_model: int = typer.Option(512, "--d-model"),
-    d_hidden: int = typer.Option(2048, "--d-hidden"),
+    d_model: int = typer.Option(512, "--d-model", min=1),
+    d_hidden: int = typer.Option(2048, "--d-hidden", min=1),
+    world_size: str = typer.Option("1,2,4", "--world-size", "-n",
+                                   help="Comma-separated rank counts for the expert-parallel layers."),
     repeats: Optional[int] = typer.Option(None, "--repeats", min=1, help="Timed runs per layer [3; --quick 1]."),
     warmup: int = typer.Option(1, "--warmup", min=0),
-    layers: str = typer.Option(",".join(("ideal", "dense", "reference", "deepspeed-cf1", "deepspeed-cf2",
-                                         "fmoe", "grouped-mm")), "--layers", help="Comma-separated layers."),
-    no_profile: bool = typer.Option(False, "--no-profile", help="Skip the torch.profiler breakdown."),
+    layers: str = typer.Option("ideal,dense,reference,deepspeed-cf1,deepspeed-cf2,fmoe,grouped-mm", "--layers",
+                               help="Comma-separated one-process layers."),
+    ep_layers: str = typer.Option("reference-ep,deepspeed-ep-cf1", "--ep-layers",
+                                  help="Comma-separated expert-parallel layers ('none' to skip them)."),
+    comm: bool = typer.Option(False, "--comm", help="Also time the all-to-all exchange alone (gloo; NCCL too "
+                              "where every rank has a GPU)."),
+    train: bool = typer.Option(False, "--train", help="Instead of the layer sweep: one training step of each "
+                               "variant's --preset, phase by phase, against FLOP and bandwidth bounds."),
+    preset: str = typer.Option("chapter", "--preset", help="The preset --train times."),
+    no_profile: bool = typer.Option(False, "--no-profile", help="Skip the torch.profiler breakdowns."),
+    timeout: float = typer.Option(900.0, "--timeout", help="Seconds each multi-rank launch may take."),
     results_dir: Optional[str] = flags.shared_option("results_dir"),
     as_json: bool = flags.shared_option("as_json"),
 ) -> None:
     """Time one MoE layer's forward + backward against the per-expert GEMM bound and DeepSpeed."""
-    from moebench import bench as core
-    from moebench import results
+    from moebench.bench import core
+    from moebench.bench.parallel import EP_LAYERS
+    from moebench.config import require_world_size
     from moebench.errors import UserError
 
     if quick:
-        experts, tokens, top_k, d_model, d_hidden = "4,16", "1024", "2", 256, 1024
+        experts, tokens, top_k, d_model, d_hidden, world_size = (QUICK[k] for k in (
+            "experts", "tokens", "top_k", "d_model", "d_hidden", "world_size"))
         repeats = repeats or 1
-    repeats = repeats or 3
-    names = tuple(n.strip() for n in layers.split(",") if n.strip())
-    unknown = [n for n in names if n not in core.LAYERS]
-    if unknown or not names:
-        raise UserError(f"unknown layer(s) {unknown}; choose from {', '.join(core.LAYERS)}", flag="--layers")
+    if not timeout > 0 or timeout != timeout or timeout == float("inf"):
+        raise UserError(f"must be a positive number of seconds, got {timeout}", flag="--timeout")
+    if not preset.strip():
+        raise UserError("must name a preset, e.g. chapter", flag="--preset")
+    names = _names(layers, core.LAYERS, "--layers")
+    ep_names = () if ep_layers.strip().lower() == "none" else _names(ep_layers, EP_LAYERS, "--ep-layers")
+    worlds = _ints(world_size, "--world-size")
+    for w in worlds:
+        require_world_size(w)
     points = [core.Point(e, t, k, d_model, d_hidden) for k in _ints(top_k, "--top-k")
               for t in _ints(tokens, "--tokens") for e in _ints(experts, "--experts")]
     bad = [p for p in points if p.top_k > p.experts]
     if bad:
         raise UserError(f"k={bad[0].top_k} exceeds experts={bad[0].experts}", flag="--top-k")
-    run = results.RunDir.create("bench", "quick" if quick else "sweep", results_dir)
-    log = None if as_json else (lambda m: typer.echo(m, err=True))
-    try:
-        result = core.run_sweep(points, names, repeats=repeats, warmup=warmup, profile=not no_profile, log=log)
-    except BaseException:
-        run.finish("failed", {})
-        raise
-    run.write_json("bench.json", result)
-    plots = core.plot(result, run.path)
-    summary = run.finish("ok", {"rows": result["rows"], "breakdown": result["breakdown"],
-                                "threads": result["threads"], "memory_method": result["memory_method"],
-                                "grouped_mm_requirements": result["grouped_mm_requirements"],
-                                "plots": [str(p) for p in plots]})
+    spec = core.BenchSpec(points=points, layers=names, ep_layers=ep_names, world_sizes=worlds,
+                          repeats=repeats or 3, warmup=warmup, profile=not no_profile, comm=comm,
+                          train=train, preset=preset, timeout_s=timeout)
+    if train:
+        core.check_preset(preset)
+    summary = core.run_bench(spec, results_dir, name="train" if train else ("quick" if quick else "sweep"),
+                             log=None if as_json else (lambda m: typer.echo(m, err=True)))
     if as_json:
-        typer.echo(json.dumps({**summary, "run_path": str(run.path)}, indent=2, default=str))
+        typer.echo(json.dumps(summary, indent=2, default=str))
         return
-    typer.echo(core.format_table(result))
-    typer.echo(f"results: {run.path}")
+    typer.echo(core.format_summary(summary))
+    typer.echo(f"results: {summary['run_path']}")

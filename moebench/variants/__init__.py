@@ -42,6 +42,10 @@ class Variant(Protocol):
     def rank_fn(self) -> Callable[..., dict]:
         """The rank function `fn(ctx, run_path, config_dict, show_progress) -> summary`."""
 
+    def step_parts(self, config: Any) -> Any:
+        """A context manager yielding the run's training step on one in-process rank, phase by
+        phase (moebench.train.StepParts), for `moebench bench --train`."""
+
     def headline(self, config: Any) -> str:
         """The one line printed before training starts."""
 

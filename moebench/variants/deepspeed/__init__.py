@@ -52,6 +52,11 @@ class DeepSpeedVariant:
 
         return train_rank
 
+    def step_parts(self, config):
+        from moebench.variants.deepspeed.rank import step_parts
+
+        return step_parts(config)
+
     def headline(self, config: DeepSpeedRunConfig) -> str:
         moe, launch, train = config.moe, config.launch, config.train
         return (f"deepspeed: experts {list(config.experts_per_layer)}, top-{moe.top_k}, ep_size {moe.ep_size}, "

@@ -4,6 +4,7 @@ shared random data, and a (batch_size, seq_len, d_model) test batch."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -131,3 +132,39 @@ def train_rank(ctx: RankContext, run_path, config_dict: dict, show_progress: boo
 def _epoch_means(values: list[float], per_epoch: int) -> list[float]:
     chunks = [values[i:i + per_epoch] for i in range(0, len(values), per_epoch)]
     return [sum(c) / len(c) for c in chunks]
+
+
+@contextlib.contextmanager
+def step_parts(config: DeepSpeedRunConfig):
+    """The run's step through DeepSpeed's engine on one in-process rank (its own one-rank group),
+    phase by phase (see moebench.train.StepParts)."""
+    from moebench.models.deepspeed_moe import create_expert_groups, set_accelerator_env
+    from moebench.train import StepParts
+
+    set_accelerator_env(config.launch.device)
+    with stdout_to_stderr():
+        import deepspeed
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    ctx = RankContext(rank=0, world_size=1, local_rank=0, backend="none", device="cpu")
+    with stdout_to_stderr(), deepspeed_comm(ctx, compiled_ops=config.engine.compiled_ops,
+                                            timeout_s=config.default_timeout_s):
+        create_expert_groups(config.moe.ep_size)
+        model = build_model(config)
+        groups = split_params_into_different_moe_groups_for_optimizer(
+            {"params": list(model.parameters()), "name": "parameters"})
+        engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=groups,
+                                                       config=build_ds_config(config))
+        batches = Batches(config.train, config.model.d_model, rank=0, world_size=1)
+        engine.train()
+
+        def forward(batch):
+            out, aux = engine(batch[0])
+            return F.mse_loss(out, batch[1]) + config.train.aux_loss_coef * aux
+
+        yield StepParts(data=lambda s: tuple(t.to(engine.device) for t in batches.rank_batch(s)),
+                        forward=forward, backward=engine.backward, optimizer=engine.step,
+                        trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
+                        optimizer_name=f"DeepSpeed engine (ZeRO {config.engine.zero_stage}) stepping "
+                                       f"{type(optimizer).__name__}")
+        engine = optimizer = None  # dropped before the comm layer is torn down

@@ -38,6 +38,11 @@ class FastMoEVariant:
 
         return train_rank
 
+    def step_parts(self, config):
+        from moebench.variants.fastmoe.rank import step_parts
+
+        return step_parts(config)
+
     def headline(self, config: FastMoERunConfig) -> str:
         moe, launch, train = config.moe, config.launch, config.train
         return (f"fastmoe: moe_impl {moe.moe_impl}, {moe.experts} experts, top-{moe.top_k} {moe.gate} gate; "

@@ -8,6 +8,8 @@ moebench/distributed/expert_parallel.py).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -113,3 +115,28 @@ def routing_summary(kept: list[torch.Tensor], *, tokens: int, top_k: int) -> dic
     dropped = sum(r["dropped"] for r in per_layer)
     return {"tokens_per_layer": tokens, "routes": routes, "dropped": dropped,
             "dropped_route_frac": dropped / routes if routes else 0.0, "per_layer": per_layer}
+
+
+@contextlib.contextmanager
+def step_parts(config: FastMoERunConfig):
+    """The run's step on one in-process rank, phase by phase (see moebench.train.StepParts)."""
+    from moebench.train import StepParts
+
+    device = "cuda" if config.launch.device == "cuda" else "cpu"
+    model = build_rank_model(config, 0, 1, device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.train.lr, fused=True)  # as train_rank
+    batches = Batches(config.train, config.model.d_model, rank=0, world_size=1)
+    model.train()
+
+    def forward(batch):
+        out, aux = model(batch[0])
+        return F.mse_loss(out, batch[1]) + config.train.aux_loss_coef * aux
+
+    def step():
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    yield StepParts(data=lambda s: tuple(t.to(device) for t in batches.rank_batch(s)), forward=forward,
+                    backward=lambda loss: loss.backward(), optimizer=step,
+                    trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
+                    optimizer_name="torch.optim.Adam(fused=True)")

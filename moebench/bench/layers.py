@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import statistics
 import time
 from typing import Callable
@@ -195,46 +194,53 @@ def time_call(fn: Callable) -> float:
     return time.perf_counter() - t0
 
 
-def reference_breakdown(p: Point) -> dict:
-    """torch.profiler over one fwd+bwd of the reference layer: share of CPU time in the expert
-    GEMMs (mm / addmm / linear's matmuls) vs the rest (gate, sort/dispatch, combine, GELU...)."""
+GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm"})
+GROUPS = ("gemm", "gate_topk", "sort_dispatch", "combine", "activation", "comm", "other")
+_GROUP_OF = {
+    **{k: "gate_topk" for k in ("aten::topk", "aten::softmax", "aten::_softmax")},
+    **{k: "sort_dispatch" for k in ("aten::sort", "aten::argsort", "aten::bincount", "aten::index_select",
+                                    "aten::where", "aten::index_select_backward", "aten::split_with_sizes",
+                                    "aten::_local_scalar_dense")},
+    **{k: "combine" for k in ("aten::index_copy", "aten::index_copy_", "aten::cat", "aten::zeros",
+                              "aten::new_zeros", "aten::index_add_", "aten::fill_", "aten::zero_")},
+}
+
+
+def profile_shares(fn: Callable) -> dict:
+    """torch.profiler over one call of `fn` (already warmed up): self CPU time of the aten ops and
+    the collectives, grouped into GEMMs (mm / addmm / bmm), gate, sort/dispatch, combine, GELU,
+    communication (c10d:: ops: the time a rank waits in all-to-all / all-gather) and the rest."""
     from torch.profiler import ProfilerActivity, profile
 
-    fns, skipped = build_layers(p, ("reference",), _DeepSpeed())
-    fn = fns["reference"]
-    fn()
     from moebench.console import stderr_to_devnull
 
     # torch's profiler (kineto) prints "USDT: ... profiler_start/stop" from C++, with no setting to stop it.
     with stderr_to_devnull(), profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
-    gemm_ops = {"aten::mm", "aten::addmm", "aten::bmm"}
-    groups = {"gemm": 0.0, "gate_topk": 0.0, "sort_dispatch": 0.0, "combine": 0.0, "activation": 0.0, "other": 0.0}
-    total = 0.0
+    groups = dict.fromkeys(GROUPS, 0.0)
     for ev in prof.key_averages():
-        if not ev.key.startswith("aten::"):
-            continue
-        t = ev.self_cpu_time_total
-        total += t
         k = ev.key
-        if k in gemm_ops:
-            groups["gemm"] += t
-        elif k in ("aten::topk", "aten::softmax", "aten::_softmax"):
-            groups["gate_topk"] += t
-        elif k in ("aten::sort", "aten::argsort", "aten::bincount", "aten::index_select", "aten::where",
-                   "aten::index_select_backward", "aten::split_with_sizes", "aten::_local_scalar_dense"):
-            groups["sort_dispatch"] += t
-        elif k in ("aten::index_copy", "aten::index_copy_", "aten::cat", "aten::zeros", "aten::new_zeros",
-                   "aten::index_add_", "aten::fill_", "aten::zero_"):
-            groups["combine"] += t
+        if k.startswith("c10d::"):
+            group = "comm"
+        elif not k.startswith("aten::"):
+            continue
+        elif k in GEMM_OPS:
+            group = "gemm"
         elif "gelu" in k:
-            groups["activation"] += t
+            group = "activation"
         else:
-            groups["other"] += t
-    total = total or 1.0
-    return {"point": dataclasses.asdict(p), "total_ms": total / 1000.0,
-            "share": {k: v / total for k, v in groups.items()},
+            group = _GROUP_OF.get(k, "other")
+        groups[group] += ev.self_cpu_time_total
+    total = sum(groups.values()) or 1.0
+    return {"total_ms": total / 1000.0, "share": {k: v / total for k, v in groups.items()},
             "outside_gemm": 1.0 - groups["gemm"] / total}
+
+
+def reference_breakdown(p: Point) -> dict:
+    """The profiler's shares for one fwd+bwd of the reference layer at point `p`."""
+    fns, _ = build_layers(p, ("reference",), _DeepSpeed())
+    fns["reference"]()  # warm-up: first-call allocations are not the layer's cost
+    return {"point": dataclasses.asdict(p), **profile_shares(fns["reference"])}
 
 
 def run_sweep(points: list[Point], layers: tuple[str, ...] = LAYERS, repeats: int = 3, warmup: int = 1,
@@ -280,59 +286,3 @@ def run_sweep(points: list[Point], layers: tuple[str, ...] = LAYERS, repeats: in
     return {"rows": rows, "breakdown": breakdown, "threads": torch.get_num_threads(),
             "torch": torch.__version__, "memory_method": "psutil RSS delta (high-water, sampled per call)",
             "grouped_mm_requirements": grouped_mm_experts.__doc__.split("torch 2.13 CPU needs: ")[-1].strip()}
-
-
-def format_table(result: dict) -> str:
-    """Plain text, at most 80 columns."""
-    lines = [f"{'layer':<14}{'E':>4}{'T':>6}{'k':>2}{'tok/s':>9}{'GFLOP/s':>8}{'xideal':>7}{'xdense':>7}"
-             f"{'xDS1':>6}{'spread%':>8}{'MB':>6}"]
-    fmt = (lambda v, w, d=2: f"{v:>{w}.{d}f}" if v is not None else f"{'-':>{w}}")
-    for r in result["rows"]:
-        head = f"{r['layer']:<14}{r['experts']:>4}{r['tokens']:>6}{r['top_k']:>2}"
-        if r.get("skipped"):
-            lines.append(f"{head}  skipped: {r['skipped']}"[:80])
-            continue
-        spread = 100 * (r["max_s"] - r["min_s"]) / r["time_s"]
-        lines.append(f"{head}{r['tokens_per_s']:>9.0f}{r['gflops']:>8.1f}{fmt(r['vs_ideal'], 7)}"
-                     f"{fmt(r['vs_dense'], 7)}{fmt(r['vs_deepspeed_cf1'], 6)}{spread:>8.0f}{r['peak_rss_mb']:>6.0f}")
-    for b in result["breakdown"]:
-        p = b["point"]
-        s = b["share"]
-        lines.append(f"ref E={p['experts']} T={p['tokens']} k={p['top_k']}: non-GEMM {100 * b['outside_gemm']:.0f}%"
-                     f" gate {100 * s['gate_topk']:.0f} sort {100 * s['sort_dispatch']:.0f}"
-                     f" comb {100 * s['combine']:.0f} gelu {100 * s['activation']:.0f}"
-                     f" other {100 * s['other']:.0f}"[:80])
-    lines.append(f"threads {result['threads']}, torch {result['torch']}, memory: psutil RSS delta")
-    return "\n".join(lines)
-
-
-def plot(result: dict, out_dir: os.PathLike) -> list[str]:
-    """tokens/s vs experts and vs tokens, one line per layer (the other axes at their first value)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in result["rows"] if not r.get("skipped")]
-    written = []
-    if not rows:
-        return written
-    for axis, fixed in (("experts", "tokens"), ("tokens", "experts")):
-        first = rows[0]
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for layer in dict.fromkeys(r["layer"] for r in rows):
-            pts = sorted((r[axis], r["tokens_per_s"]) for r in rows if r["layer"] == layer
-                         and r[fixed] == first[fixed] and r["top_k"] == first["top_k"])
-            if pts:
-                ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=layer)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel(axis)
-        ax.set_ylabel("tokens/s (fwd+bwd)")
-        ax.set_title(f"{fixed}={first[fixed]}, k={first['top_k']}, d={first['d_model']}/{first['d_hidden']}")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"tokens_per_s_vs_{axis}.png")
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
-    return written
