@@ -9,6 +9,7 @@ import torch
 from typer.testing import CliRunner
 
 from moebench import bench as core
+from moebench.bench import layers as core_layers
 from moebench.bench import parallel as core_parallel
 from moebench.bench import train_step
 from moebench.cli.app import app
@@ -170,3 +171,12 @@ def test_forward_flops_match_the_model(tmp_path):
     gate = 2 * t * m.d_model * config.moe.experts
     experts = 2 * 2 * t * config.moe.top_k * m.d_model * config.moe.d_hidden
     assert forward["work"] == m.layers * (attention + gate + experts)
+
+
+def test_peak_memory_sees_a_peak_freed_before_the_call_returns():
+    def fn():
+        t = torch.ones(64 * 2**20)  # 256 MB, gone when fn returns
+        t.add_(1)
+
+    assert core_layers.peak_memory(fn) > 200 * 2**20
+    assert core_layers.peak_memory(lambda: None) < 50 * 2**20

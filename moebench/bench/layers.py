@@ -9,8 +9,9 @@ Layers (each timed as forward + backward of one layer, same process, interleaved
 - `grouped-mm`: the balanced slots through `torch._grouped_mm` (one call per matmul).
 
 GFLOP/s counts the expert GEMMs only: 3 x 2 x tokens x k x d_model x d_hidden x 2 (two matmuls,
-forward + two backward GEMMs each). Peak memory is the process RSS high-water delta (psutil,
-sampled after each call) — torch's CPU allocator keeps no stats and tracemalloc misses it.
+forward + two backward GEMMs each). Peak memory is what the first warm-up call adds to the
+resident set at its peak (`peak_memory`): torch's CPU allocator keeps no statistics and
+tracemalloc does not see its allocations.
 """
 
 from __future__ import annotations
@@ -175,10 +176,49 @@ def build_layers(p: Point, layers: tuple[str, ...], ds: _DeepSpeed) -> tuple[dic
     return fns, skipped
 
 
+def release_memory() -> None:
+    """Hand freed memory back to the OS. glibc keeps what a point's tensors freed in its arenas
+    (measured: 4.2 GB resident after one E=64, T=8192 point, 0.4 GB after malloc_trim), and ranks
+    forked later would start from that, enough for the OOM killer at 4 ranks."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
 def _rss() -> int:
     import psutil
 
     return psutil.Process().memory_info().rss
+
+
+def _high_water() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            line = next(line for line in f if line.startswith("VmHWM:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def peak_memory(fn: Callable) -> int:
+    """Bytes `fn` adds to the resident set at its peak. On Linux the kernel's high-water mark is
+    reset first (/proc/self/clear_refs "5") after freed memory went back to the OS, so the peak
+    inside the call counts; elsewhere only the RSS after the call is seen (a lower bound)."""
+    release_memory()
+    base = _rss()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    fn()
+    top = _high_water()
+    return max(0, (top if top is not None else _rss()) - base)
 
 
 def time_call(fn: Callable) -> float:
@@ -253,18 +293,18 @@ def run_sweep(points: list[Point], layers: tuple[str, ...] = LAYERS, repeats: in
             if log:
                 log(f"E={p.experts} T={p.tokens} k={p.top_k} d={p.d_model}/{p.d_hidden}")
             fns, skipped = build_layers(p, layers, ds)
-            peak: dict[str, int] = {}
+            peak: dict[str, int | None] = {}
             for name, fn in fns.items():
-                base = _rss()
-                for _ in range(max(warmup, 0)):
-                    fn()
-                peak[name] = max(0, _rss() - base)
+                peak[name] = None
+                for i in range(max(warmup, 0)):
+                    if i == 0:  # the first warm-up call measures the layer's peak memory
+                        peak[name] = peak_memory(fn)
+                    else:
+                        fn()
             times: dict[str, list[float]] = {n: [] for n in fns}
             for _ in range(max(repeats, 1)):
                 for name, fn in fns.items():  # interleaved: every layer once per repeat
-                    base = _rss()
                     times[name].append(time_call(fn))
-                    peak[name] = max(peak[name], _rss() - base)
             med = {n: statistics.median(t) for n, t in times.items()}
             for name in layers:
                 row = {"layer": name, **dataclasses.asdict(p), "threads": torch.get_num_threads(),
@@ -275,14 +315,16 @@ def run_sweep(points: list[Point], layers: tuple[str, ...] = LAYERS, repeats: in
                 m = med[name]
                 row.update({"time_s": m, "min_s": min(times[name]), "max_s": max(times[name]),
                             "tokens_per_s": p.tokens / m, "gflops": p.flops / m / 1e9,
-                            "peak_rss_mb": peak[name] / 2**20, "skipped": None})
+                            "peak_rss_mb": None if peak[name] is None else peak[name] / 2**20, "skipped": None})
                 for ref, key in (("ideal", "vs_ideal"), ("dense", "vs_dense"), ("deepspeed-cf1", "vs_deepspeed_cf1")):
                     row[key] = med[ref] / m if ref in med else None
                 rows.append(row)
             if profile and "reference" in fns:
                 breakdown.append(reference_breakdown(p))
+            del fns
+            release_memory()
     finally:
         ds.close()
-    return {"rows": rows, "breakdown": breakdown, "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "memory_method": "psutil RSS delta (high-water, sampled per call)",
+    return {"rows": rows, "breakdown": breakdown, "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "memory_method": "resident-set high-water of the first warm-up call over its start (VmHWM reset)",
             "grouped_mm_requirements": grouped_mm_experts.__doc__.split("torch 2.13 CPU needs: ")[-1].strip()}

@@ -17,7 +17,8 @@ def format_table(result: dict) -> str:
             continue
         spread = 100 * (r["max_s"] - r["min_s"]) / r["time_s"]
         lines.append(f"{head}{r['tokens_per_s']:>9.0f}{r['gflops']:>8.1f}{fmt(r['vs_ideal'], 7)}"
-                     f"{fmt(r['vs_dense'], 7)}{fmt(r['vs_deepspeed_cf1'], 6)}{spread:>8.0f}{r['peak_rss_mb']:>6.0f}")
+                     f"{fmt(r['vs_dense'], 7)}{fmt(r['vs_deepspeed_cf1'], 6)}{spread:>8.0f}"
+                     f"{_num(r['peak_rss_mb'], 6, 0)}")
     for b in result["breakdown"]:
         p = b["point"]
         s = b["share"]
@@ -25,7 +26,7 @@ def format_table(result: dict) -> str:
                      f" gate {100 * s['gate_topk']:.0f} sort {100 * s['sort_dispatch']:.0f}"
                      f" comb {100 * s['combine']:.0f} gelu {100 * s['activation']:.0f}"
                      f" other {100 * s['other']:.0f}"[:80])
-    lines.append(f"threads {result['threads']}, torch {result['torch']}, memory: psutil RSS delta")
+    lines.append(f"threads {result['threads']}, torch {result['torch']}, MB: peak resident memory of a call")
     return "\n".join(lines)
 
 
@@ -68,8 +69,8 @@ def _num(v, width: int, digits: int = 2) -> str:
 def format_expert_parallel(rows: list[dict]) -> str:
     """One line per (world size, point, layer); '*' marks an oversubscribed point."""
     lines = ["expert parallel (tokens per rank; tok/s of all ranks; * = oversubscribed)",
-             f"{'layer':<17}{'W':>2}{'E':>4}{'T':>6}{'k':>2}{'tok/s':>9}{'xW=1':>6}{'comm%':>6}"
-             f"{'nonGEMM%':>9}{'spread%':>8}"]
+             f"{'layer':<17}{'W':>2}{'E':>4}{'T':>6}{'k':>2}{'tok/s':>8}{'xW=1':>6}{'comm%':>6}"
+             f"{'nonGEMM%':>9}{'spread%':>8}{'MB':>6}"]
     for r in rows:
         head = f"{r['layer']:<17}{r['world_size']:>2}{r['experts']:>4}{r['tokens']:>6}{r['top_k']:>2}"
         if r.get("skipped"):
@@ -78,8 +79,9 @@ def format_expert_parallel(rows: list[dict]) -> str:
         spread = 100 * (r["max_s"] - r["min_s"]) / r["time_s"]
         comm = 100 * r["share"]["comm"] if "share" in r else None
         outside = 100 * r["outside_gemm"] if "outside_gemm" in r else None
-        lines.append(f"{head}{r['tokens_per_s']:>9.0f}{_num(r['vs_world_1'], 6)}{_num(comm, 6, 0)}"
-                     f"{_num(outside, 9, 0)}{spread:>8.0f}{' *' if r['oversubscribed'] else ''}")
+        lines.append(f"{head}{r['tokens_per_s']:>8.0f}{_num(r['vs_world_1'], 6)}{_num(comm, 6, 0)}"
+                     f"{_num(outside, 9, 0)}{spread:>8.0f}{_num(r.get('peak_rss_mb'), 6, 0)}"
+                     f"{' *' if r['oversubscribed'] else ''}")
     return "\n".join(lines)
 
 

@@ -19,7 +19,7 @@ import statistics
 
 import torch
 
-from moebench.bench.layers import Point, profile_shares, time_call
+from moebench.bench.layers import Point, peak_memory, profile_shares, release_memory, time_call
 
 EP_LAYERS = ("reference-ep", "deepspeed-ep-cf1")
 
@@ -97,9 +97,13 @@ def _ep_rank(ctx, points: list[Point], layers: tuple[str, ...], repeats: int, wa
                         y.backward(torch.ones_like(y))
 
                     fns[name] = fn
-            for fn in fns.values():
-                for _ in range(warmup):
-                    fn()
+            peak: dict[str, int | None] = dict.fromkeys(fns)
+            for name, fn in fns.items():
+                for i in range(warmup):
+                    if i == 0:  # every rank calls (collectives); rank 0's peak is reported
+                        peak[name] = peak_memory(fn)
+                    else:
+                        fn()
             times: dict[str, list[float]] = {n: [] for n in fns}
             for _ in range(repeats):
                 for name, fn in fns.items():  # interleaved, as the one-process sweep
@@ -111,7 +115,8 @@ def _ep_rank(ctx, points: list[Point], layers: tuple[str, ...], repeats: int, wa
                 m = statistics.median(times[name])
                 row = {**base, "layer": name, "skipped": None, "time_s": m, "min_s": min(times[name]),
                        "max_s": max(times[name]), "tokens_per_s": world * p.tokens / m,
-                       "gflops": world * p.flops / m / 1e9}
+                       "gflops": world * p.flops / m / 1e9,
+                       "peak_rss_mb": None if peak[name] is None else peak[name] / 2**20}
                 if profile:  # every rank runs the profiled call (collectives); rank 0's shares are kept
                     dist.barrier()
                     row.update(profile_shares(fns[name]))
@@ -127,6 +132,7 @@ def run_expert_parallel(points: list[Point], world_sizes: list[int], layers: tup
     from moebench.models.deepspeed_moe import set_accelerator_env
 
     set_accelerator_env("cuda" if torch.cuda.is_available() else "cpu")
+    release_memory()  # forked ranks start from this process's memory
     rows: list[dict] = []
     for world in world_sizes:
         if log:

@@ -71,6 +71,21 @@ def _cases() -> list[tuple[str, list[str], str]]:
     cases += [(env, ["--probe-timeout", v], "--probe-timeout") for v in ("0", "-1", "nan", "abc", "99999")]
     cases += [(env, ["--results-dir", ""], "--results-dir"), (env, ["--json", "--report"], "--report"),
               (env, ["--bogus-flag"], "--bogus-flag")]
+    bench = "bench"
+    for flag in ("--experts", "--tokens", "--top-k", "--world-size"):
+        cases += [(bench, [flag, v], flag) for v in ("", "abc", "0", "-2")]
+    cases += [(bench, ["--world-size", "65"], "--world-size"), (bench, ["--world-size", "1,99"], "--world-size"),
+              (bench, ["--experts", "2", "--top-k", "3"], "--top-k"),
+              (bench, ["--layers", "bogus"], "--layers"), (bench, ["--layers", ""], "--layers"),
+              (bench, ["--ep-layers", "bogus"], "--ep-layers"), (bench, ["--ep-layers", ""], "--ep-layers"),
+              (bench, ["--d-model", "0"], "--d-model"), (bench, ["--d-hidden", "-1"], "--d-hidden"),
+              (bench, ["--repeats", "0"], "--repeats"), (bench, ["--warmup", "-1"], "--warmup"),
+              (bench, ["--results-dir", ""], "--results-dir"), (bench, ["--bogus-flag"], "--bogus-flag"),
+              (bench, ["--train", "--preset", ""], "--preset"), (bench, ["--train", "--preset", "nope"], "--preset")]
+    cases += [(bench, ["--timeout", v], "--timeout") for v in ("0", "-1", "nan", "inf", "abc")]
+    report = "report"
+    cases += [(report, ["--since", v], "--since") for v in ("", "yesterday-ish", "2026-13-45")]
+    cases += [(report, ["--results-dir", ""], "--results-dir"), (report, ["--bogus-flag"], "--bogus-flag")]
     cases += [("runs", ["--kind", ""], "--kind"), ("runs", ["--results-dir", ""], "--results-dir")]
     return cases
 

@@ -356,7 +356,8 @@ def test_both_variants_record_routing_per_step(source_results):
 
 def test_the_latest_bench_is_shown_whatever_its_date(results_root):
     out = _cli("bench", "--experts", "4", "--tokens", "256", "--top-k", "2", "--d-model", "64", "--d-hidden", "128",
-               "--layers", "ideal,reference", "--repeats", "1", "--no-profile", "--results-dir", str(results_root))
+               "--layers", "ideal,reference", "--ep-layers", "none", "--repeats", "1", "--no-profile",
+               "--results-dir", str(results_root))
     assert out.returncode == 0, out.stderr
     bench = json.loads((_run(results_root, "bench") / "summary.json").read_text())
     result = build.build_report([], root=str(results_root), since="2999-01-01T00:00:00")
@@ -365,6 +366,13 @@ def test_the_latest_bench_is_shown_whatever_its_date(results_root):
     reference = next(r for r in bench["rows"] if r["layer"] == "reference")
     assert f"| reference | 4 | 256 | 2 | {reference['tokens_per_s']:,.0f} |" in md
     assert list(result.path.glob("bench-*.png"))  # copied beside the report, so the HTML embeds them
+
+    # A newer --train run adds its table; the sweep's rows still come from the sweep.
+    out = _cli("bench", "--train", "--preset", "quick", "--repeats", "1", "--results-dir", str(results_root))
+    assert out.returncode == 0, out.stderr
+    md = (build.build_report([], root=str(results_root)).path / "REPORT.md").read_text()
+    assert f"| reference | 4 | 256 | 2 | {reference['tokens_per_s']:,.0f} |" in md
+    assert "| fastmoe (quick) | optimizer |" in md and "| deepspeed (quick) | forward |" in md
 
 
 def test_parity_is_judged_on_the_whole_suite_only(results_root):
