@@ -18,15 +18,15 @@ from moebench.models.moe import build_moe_mlp
 
 def test_bench_command_fields(tmp_path):
     args = ["bench", "--experts", "2,4", "--tokens", "64", "--top-k", "2", "--d-model", "32", "--d-hidden", "64",
-            "--repeats", "2", "--warmup", "1", "--layers", "ideal,dense,reference,fmoe,grouped-mm",
+            "--repeats", "2", "--warmup", "1", "--layers", "ideal,dense,reference,reference-balanced,fmoe,grouped-mm",
             "--ep-layers", "none", "--json", "--results-dir", str(tmp_path)]
     out = CliRunner().invoke(app, args)
     assert out.exit_code == 0, out.output
     doc = json.loads(out.stdout[out.stdout.index("{"):])
     assert doc["status"] == "ok"
     rows = doc["rows"]
-    assert {(r["layer"], r["experts"]) for r in rows} == {(n, e) for n in ("ideal", "dense", "reference", "fmoe",
-                                                                         "grouped-mm") for e in (2, 4)}
+    names = ("ideal", "dense", "reference", "reference-balanced", "fmoe", "grouped-mm")
+    assert {(r["layer"], r["experts"]) for r in rows} == {(n, e) for n in names for e in (2, 4)}
     for r in rows:
         assert r["threads"] >= 1
         if r["layer"] == "fmoe" and not torch.cuda.is_available():
@@ -58,9 +58,9 @@ def test_ideal_dense_reference_agree_on_balanced_routing():
     layer = build_moe_mlp(backend="reference", experts=experts, d_model=d, d_hidden=h, top_k=k, gate="naive")
     x = torch.randn(tokens, d, dtype=torch.float64)
     layer = layer.double()
-    # Balanced routing: slot s of token t goes to expert (t * k + s) % experts; every expert gets tokens*k/E.
-    idx = (torch.arange(tokens * k) % experts).reshape(tokens, k)
-    score = torch.softmax(torch.randn(tokens, k, dtype=torch.float64), -1)
+    # Balanced routing, as the bench's `reference-balanced` feeds it: every expert gets tokens*k/E slots.
+    idx, score = core_layers.balanced_routing(core.Point(experts, tokens, k, d, h))
+    score = score.double()
     assert torch.bincount(idx.reshape(-1)).tolist() == [tokens * k // experts] * experts
     y_ref = layer.moe_forward(x, idx, score)
 
@@ -112,10 +112,11 @@ def test_expert_parallel_and_comm_sections(tmp_path):
         assert r["tokens_per_s"] == pytest.approx(r["world_size"] * 64 / r["time_s"])
         assert r["oversubscribed"] == (r["world_size"] * r["threads_per_rank"] > cores)
         assert sum(r["share"].values()) == pytest.approx(1.0)
+        assert 0.0 <= r["comm_share"] < 1.0
         if r["world_size"] == 1:
             assert r["vs_world_1"] == 1.0 and r["share"]["comm"] == 0.0  # one rank exchanges nothing
         else:
-            assert r["share"]["comm"] > 0.0  # the all-to-all shows up in the profile
+            assert r["comm_share"] > 0.0  # the exchange's collectives were seen and timed
     (comm,) = doc["comm"]  # one size (64 tokens x k 1 x d 32), one world size > 1, gloo only on CPU
     assert comm["world_size"] == 2 and comm["backend"] == "gloo"
     assert comm["bytes_per_rank"] == 64 * 32 * 4
@@ -180,3 +181,17 @@ def test_peak_memory_sees_a_peak_freed_before_the_call_returns():
 
     assert core_layers.peak_memory(fn) > 200 * 2**20
     assert core_layers.peak_memory(lambda: None) < 50 * 2**20
+
+
+def test_collective_seconds_sees_time_inside_a_collective(monkeypatch):
+    import time as _time
+
+    import torch.distributed as dist
+
+    def fake(*args, **kwargs):
+        _time.sleep(0.05)
+
+    monkeypatch.setattr(dist, "all_to_all_single", fake)
+    wall, inside = core_parallel.collective_seconds(lambda: (dist.all_to_all_single(None, None), _time.sleep(0.05)))
+    assert 0.045 < inside < 0.09 and wall >= 0.1  # the collective's 50 ms, not the other sleep
+    assert dist.all_to_all_single is fake  # the wrapper is gone again

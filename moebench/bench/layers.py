@@ -3,7 +3,8 @@
 Layers (each timed as forward + backward of one layer, same process, interleaved repeats):
 - `ideal`: the routed slots (tokens x k), perfectly balanced, through per-expert GEMMs;
 - `dense`: one GEMM pair of the same FLOPs (the machine's achievable bound);
-- `reference`: moebench's FMoEReference (fastmoe-exact);
+- `reference`: moebench's FMoEReference (fastmoe-exact), routed by its own naive gate;
+- `reference-balanced`: the same layer's code on `ideal`'s balanced routing (gate skipped);
 - `deepspeed-cf1` / `deepspeed-cf2`: DeepSpeed's `MoE` at capacity factor 1.0 / 2.0;
 - `fmoe`: the real fastmoe layer, where it imports (CUDA only);
 - `grouped-mm`: the balanced slots through `torch._grouped_mm` (one call per matmul).
@@ -25,7 +26,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-LAYERS = ("ideal", "dense", "reference", "deepspeed-cf1", "deepspeed-cf2", "fmoe", "grouped-mm")
+LAYERS = ("ideal", "dense", "reference", "reference-balanced", "deepspeed-cf1", "deepspeed-cf2", "fmoe", "grouped-mm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +45,15 @@ class Point:
 def balanced_counts(slots: int, experts: int) -> list[int]:
     base, extra = divmod(slots, experts)
     return [base + (1 if i < extra else 0) for i in range(experts)]
+
+
+def balanced_routing(p: Point) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slot s of token t goes to expert (t * k + s) mod E: every expert gets tokens * k / E slots
+    (as `balanced_counts`), and a token's k slots go to k different experts. Scores: softmax of
+    seeded noise."""
+    idx = (torch.arange(p.tokens * p.top_k) % p.experts).reshape(p.tokens, p.top_k)
+    score = torch.softmax(torch.randn(p.tokens, p.top_k, generator=torch.Generator().manual_seed(1)), -1)
+    return idx, score
 
 
 def expert_weights(p: Point, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -142,6 +152,16 @@ def build_layers(p: Point, layers: tuple[str, ...], ds: _DeepSpeed) -> tuple[dic
                                       d_hidden=p.d_hidden, top_k=p.top_k, gate="naive")
                 xr = x.clone().requires_grad_()
                 fns[name] = lambda m=layer, xr=xr: _backward(m(xr)[0])
+            elif name == "reference-balanced":
+                # The reference layer's own code (sort, scatter, expert loop, weighted gather) on
+                # ideal's balanced routing: its overhead over `ideal` without the gate's imbalance.
+                from moebench.models.moe import build_moe_mlp
+
+                layer = build_moe_mlp(backend="reference", experts=p.experts, d_model=p.d_model,
+                                      d_hidden=p.d_hidden, top_k=p.top_k, gate="naive")
+                idx, score = balanced_routing(p)
+                xr = x.reshape(-1, p.d_model).clone().requires_grad_()
+                fns[name] = lambda m=layer, xr=xr: _backward(m.moe_forward(xr, idx, score))
             elif name.startswith("deepspeed-cf"):
                 ds.open()
                 if ds.error:

@@ -7,17 +7,17 @@ import os
 
 def format_table(result: dict) -> str:
     """Plain text, at most 80 columns."""
-    lines = [f"{'layer':<14}{'E':>4}{'T':>6}{'k':>2}{'tok/s':>9}{'GFLOP/s':>8}{'xideal':>7}{'xdense':>7}"
-             f"{'xDS1':>6}{'spread%':>8}{'MB':>6}"]
+    lines = [f"{'layer':<19}{'E':>4}{'T':>6}{'k':>2}{'tok/s':>8}{'GFLOP/s':>8}{'xideal':>7}{'xdense':>7}"
+             f"{'xDS1':>6}{'spr%':>5}{'MB':>6}"]
     fmt = (lambda v, w, d=2: f"{v:>{w}.{d}f}" if v is not None else f"{'-':>{w}}")
     for r in result["rows"]:
-        head = f"{r['layer']:<14}{r['experts']:>4}{r['tokens']:>6}{r['top_k']:>2}"
+        head = f"{r['layer']:<19}{r['experts']:>4}{r['tokens']:>6}{r['top_k']:>2}"
         if r.get("skipped"):
             lines.append(f"{head}  skipped: {r['skipped']}"[:80])
             continue
         spread = 100 * (r["max_s"] - r["min_s"]) / r["time_s"]
-        lines.append(f"{head}{r['tokens_per_s']:>9.0f}{r['gflops']:>8.1f}{fmt(r['vs_ideal'], 7)}"
-                     f"{fmt(r['vs_dense'], 7)}{fmt(r['vs_deepspeed_cf1'], 6)}{spread:>8.0f}"
+        lines.append(f"{head}{r['tokens_per_s']:>8.0f}{r['gflops']:>8.1f}{fmt(r['vs_ideal'], 7)}"
+                     f"{fmt(r['vs_dense'], 7)}{fmt(r['vs_deepspeed_cf1'], 6)}{spread:>5.0f}"
                      f"{_num(r['peak_rss_mb'], 6, 0)}")
     for b in result["breakdown"]:
         p = b["point"]
@@ -77,7 +77,7 @@ def format_expert_parallel(rows: list[dict]) -> str:
             lines.append(f"{head}  skipped: {r['skipped']}"[:80])
             continue
         spread = 100 * (r["max_s"] - r["min_s"]) / r["time_s"]
-        comm = 100 * r["share"]["comm"] if "share" in r else None
+        comm = 100 * r["comm_share"] if "comm_share" in r else None
         outside = 100 * r["outside_gemm"] if "outside_gemm" in r else None
         lines.append(f"{head}{r['tokens_per_s']:>8.0f}{_num(r['vs_world_1'], 6)}{_num(comm, 6, 0)}"
                      f"{_num(outside, 9, 0)}{spread:>8.0f}{_num(r.get('peak_rss_mb'), 6, 0)}"

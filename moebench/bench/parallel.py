@@ -6,8 +6,10 @@ on CPU, NCCL ranks on GPUs). Every rank feeds its own `tokens` tokens; the layer
 - `reference-ep`: moebench's FMoEReference with world_size = W (fastmoe's exchange);
 - `deepspeed-ep-cf1`: DeepSpeed's `MoE` with ep_size = W, capacity factor 1.0.
 A timed call is barrier, forward + backward, barrier, so the time is the slowest rank's. Tokens/s
-counts every rank's tokens. A point is oversubscribed when W x threads per rank exceeds the usable
-cores: the ranks then share cores and the time says little about the layer.
+counts every rank's tokens; `comm_share` is the wall time rank 0 spends inside torch.distributed
+collectives during one call (waiting for the others included). A point is oversubscribed when
+W x threads per rank exceeds the usable cores: the ranks then share cores and the time says
+little about the layer.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import contextlib
 import dataclasses
 import os
 import statistics
+import time
 
 import torch
 
@@ -51,6 +54,41 @@ def _build_ep_layer(name: str, p: Point, world: int, rank: int):
     create_expert_groups(world)  # a collective on every rank
     layer.moe.set_deepspeed_parallelism()
     return layer
+
+
+COLLECTIVES = ("all_to_all_single", "all_to_all", "all_gather", "all_gather_into_tensor", "all_reduce",
+               "reduce_scatter_tensor")
+"""torch.distributed functions timed by `collective_seconds` (moebench's exchange and DeepSpeed's
+call them through the module attribute, so a wrapper sees every call)."""
+
+
+def collective_seconds(fn) -> tuple[float, float]:
+    """(wall seconds of `fn`, seconds of it spent inside torch.distributed collectives). The
+    profiler cannot say: a gloo collective's wait is no aten op, so its self time misses it."""
+    import torch.distributed as dist
+
+    spent = [0.0]
+    saved = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+
+    def timed(original):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - t0
+        return wrapper
+
+    for name, original in saved.items():
+        setattr(dist, name, timed(original))
+    try:
+        t0 = time.perf_counter()
+        fn()
+        total = time.perf_counter() - t0
+    finally:
+        for name, original in saved.items():
+            setattr(dist, name, original)
+    return total, spent[0]
 
 
 def _timed(fn, barrier) -> float:
@@ -117,9 +155,12 @@ def _ep_rank(ctx, points: list[Point], layers: tuple[str, ...], repeats: int, wa
                        "max_s": max(times[name]), "tokens_per_s": world * p.tokens / m,
                        "gflops": world * p.flops / m / 1e9,
                        "peak_rss_mb": None if peak[name] is None else peak[name] / 2**20}
-                if profile:  # every rank runs the profiled call (collectives); rank 0's shares are kept
+                if profile:  # every rank runs the profiled calls (collectives); rank 0's figures are kept
                     dist.barrier()
                     row.update(profile_shares(fns[name]))
+                    dist.barrier()
+                    wall, in_collectives = collective_seconds(fns[name])
+                    row["comm_share"] = in_collectives / wall
                 rows.append(row)
     return rows if rank == 0 else []
 

@@ -344,7 +344,7 @@ def _bench_sweep_blocks(run: collect.Run, out: Path) -> list[Block]:
                             rows=tuple((r["layer"], f"{r['world_size']}{' *' if r.get('oversubscribed') else ''}",
                                         str(r["experts"]), str(r["tokens"]), str(r["top_k"]),
                                         f"{r['tokens_per_s']:,.0f}", _fmt(r.get("vs_world_1"), ".2f"),
-                                        _fmt((r.get("share") or {}).get("comm"), ".0%")) for r in parallel)))
+                                        _fmt(r.get("comm_share"), ".0%")) for r in parallel)))
     for png in sorted(run.path.glob("*.png")):
         copy = out / f"bench-{png.name}"
         copy.write_bytes(png.read_bytes())
