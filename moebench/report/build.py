@@ -397,10 +397,10 @@ def build_report(paths: list[str], *, root: str | None = None, since: str | None
     root_path = results.results_root(root)
     if since is not None and paths:
         raise UserError("applies to the latest runs only; drop it, or the RUN folders", flag="--since")
+    since_time = collect.parse_since(since) if since is not None else None  # a bad flag before a missing folder
     if not paths and not root_path.is_dir():
         raise UserError(f"{root_path} does not exist; point it at a results folder (default ./results)",
                         flag="--results-dir")
-    since_time = collect.parse_since(since) if since is not None else None
     prefer = {kind: is_chapter_run(kind) for kind in collect.VARIANT_KINDS}
     chosen = collect.select(paths, root_path, since_time, prefer)
     run_dir = results.RunDir.create("report", root=root)
