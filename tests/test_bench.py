@@ -9,6 +9,7 @@ import torch
 from typer.testing import CliRunner
 
 from moebench import bench as core
+from moebench.bench import core as bench_core
 from moebench.bench import layers as core_layers
 from moebench.bench import parallel as core_parallel
 from moebench.bench import train_step
@@ -136,6 +137,7 @@ def test_train_breakdown_phases_and_bounds(tmp_path):
     train = doc["train"]
     rates = train["rates"]
     assert rates["gemm_flop_per_s"] > 1e9 and rates["memory_bytes_per_s"] > 1e8
+    assert rates["memory_bytes_per_s"] == max(rates["bandwidth_probes"].values())
     from moebench import variants
 
     assert [v["variant"] for v in train["variants"]] == [v.name for v in variants.VARIANTS]
@@ -195,3 +197,20 @@ def test_collective_seconds_sees_time_inside_a_collective(monkeypatch):
     wall, inside = core_parallel.collective_seconds(lambda: (dist.all_to_all_single(None, None), _time.sleep(0.05)))
     assert 0.045 < inside < 0.09 and wall >= 0.1  # the collective's 50 ms, not the other sleep
     assert dist.all_to_all_single is fake  # the wrapper is gone again
+
+
+def test_targets_are_judged_on_every_point():
+    def row(layer, experts, tokens_per_s, vs_ideal=None, vs_ds=None):
+        return {"layer": layer, "experts": experts, "tokens": 1024, "top_k": 2, "skipped": None,
+                "tokens_per_s": tokens_per_s, "vs_ideal": vs_ideal, "vs_deepspeed_cf1": vs_ds}
+
+    rows = [row("ideal", 4, 100.0), row("ideal", 64, 80.0), row("deepspeed-cf1", 4, 1.0),
+            row("reference", 4, 100.0, 0.99, 1.20), row("reference", 64, 90.0, 0.94, 1.30)]
+    t = bench_core.targets(rows)
+    assert t["vs_ideal"] == {"min": 0.94, "max": 0.99, "target": 0.95, "met": False}  # one point misses: missed
+    assert t["vs_deepspeed_cf1"]["met"] is True
+    (line,) = t["flat"]["lines"]
+    assert line["experts"] == [4, 64]
+    assert line["per_token_growth"] == pytest.approx(100 / 90 - 1) and line["ideal_growth"] == pytest.approx(0.25)
+    assert t["flat"]["met"] is True  # +11 % is within 15 %
+    assert "missed" in bench_core.format_targets(t) and bench_core.targets([row("ideal", 4, 1.0)]) is None

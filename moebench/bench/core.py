@@ -81,6 +81,7 @@ def run_bench(spec: BenchSpec, results_dir, *, name: str, log: Callable[[str], N
                 run.write_json("bench.json", sweep)
                 body.update({k: sweep[k] for k in ("rows", "breakdown", "threads", "torch", "memory_method",
                                                    "grouped_mm_requirements")})
+                body["targets"] = targets(sweep["rows"])
                 if spec.ep_layers:
                     body["expert_parallel"] = parallel.run_expert_parallel(
                         spec.points, spec.world_sizes, spec.ep_layers, repeats=spec.repeats, warmup=spec.warmup,
@@ -100,6 +101,57 @@ def run_bench(spec: BenchSpec, results_dir, *, name: str, log: Callable[[str], N
             raise RunFailed(error + (f"; {unwritten}" if unwritten else ""), run.path) from exc
 
 
+TARGET_VS_IDEAL = 0.95
+"""The issue's targets for the reference layer, judged at every point of the sweep: >= 0.95x ideal,"""
+TARGET_VS_DEEPSPEED = 1.15
+"""... >= 1.15x DeepSpeed at capacity factor 1.0,"""
+TARGET_FLAT = 0.15
+"""... and per-token time within 15 % from the fewest to the most experts (same tokens and k)."""
+
+
+def targets(rows: list[dict], layer: str = "reference") -> dict | None:
+    """How `layer` fares against the three targets over the sweep's points (None without it)."""
+    done = [r for r in rows if not r.get("skipped")]
+    mine = [r for r in done if r["layer"] == layer]
+    if not mine:
+        return None
+    out: dict = {"layer": layer}
+    for key, goal in (("vs_ideal", TARGET_VS_IDEAL), ("vs_deepspeed_cf1", TARGET_VS_DEEPSPEED)):
+        values = [r[key] for r in mine if r.get(key) is not None]
+        if values:
+            out[key] = {"min": min(values), "max": max(values), "target": goal, "met": min(values) >= goal}
+    growth = []
+    for tokens, k in sorted({(r["tokens"], r["top_k"]) for r in mine}):
+        line = sorted((r["experts"], 1.0 / r["tokens_per_s"]) for r in mine
+                      if (r["tokens"], r["top_k"]) == (tokens, k))
+        if len(line) > 1:
+            ideal = sorted((r["experts"], 1.0 / r["tokens_per_s"]) for r in done
+                           if r["layer"] == "ideal" and (r["tokens"], r["top_k"]) == (tokens, k))
+            growth.append({"tokens": tokens, "top_k": k, "experts": [line[0][0], line[-1][0]],
+                           "per_token_growth": line[-1][1] / line[0][1] - 1,
+                           "ideal_growth": ideal[-1][1] / ideal[0][1] - 1 if len(ideal) > 1 else None})
+    if growth:
+        out["flat"] = {"lines": growth, "target": TARGET_FLAT,
+                       "met": all(abs(g["per_token_growth"]) <= TARGET_FLAT for g in growth)}
+    return out
+
+
+def format_targets(t: dict) -> str:
+    lines = [f"targets for {t['layer']} (every point of this sweep):"]
+    for key, label in (("vs_ideal", "x ideal"), ("vs_deepspeed_cf1", "x DeepSpeed cf 1")):
+        if key in t:
+            v = t[key]
+            lines.append(f"  {label} >= {v['target']:.2f}: {v['min']:.2f} .. {v['max']:.2f} "
+                         f"{'met' if v['met'] else 'missed'}")
+    if "flat" in t:
+        for g in t["flat"]["lines"]:
+            ideal = "" if g["ideal_growth"] is None else f" (ideal {100 * g['ideal_growth']:+.0f} %)"
+            lines.append(f"  per-token time E={g['experts'][0]}->{g['experts'][1]}, T={g['tokens']} k={g['top_k']}: "
+                         f"{100 * g['per_token_growth']:+.0f} %{ideal}"[:80])
+        lines.append(f"  flat within {100 * t['flat']['target']:.0f} %: {'met' if t['flat']['met'] else 'missed'}")
+    return "\n".join(lines)
+
+
 def format_summary(summary: dict) -> str:
     """Every section the run has, as plain text at most 80 columns wide."""
     parts = []
@@ -107,6 +159,8 @@ def format_summary(summary: dict) -> str:
         parts.append(format_train(summary["train"]))
     if summary.get("rows"):
         parts.append(format_table(summary))
+    if summary.get("targets"):
+        parts.append(format_targets(summary["targets"]))
     if summary.get("expert_parallel"):
         parts.append(format_expert_parallel(summary["expert_parallel"]))
     if summary.get("comm"):

@@ -49,7 +49,7 @@ def plot(result: dict, out_dir: os.PathLike) -> list[str]:
                          and r[fixed] == first[fixed] and r["top_k"] == first["top_k"])
             if pts:
                 ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=layer)
-        ax.set_xscale("log", base=2)
+        _plain_log2_ticks(ax, sorted({r[axis] for r in rows}))
         ax.set_xlabel(axis)
         ax.set_ylabel("tokens/s (fwd+bwd)")
         ax.set_title(f"{fixed}={first[fixed]}, k={first['top_k']}, d={first['d_model']}/{first['d_hidden']}")
@@ -60,6 +60,13 @@ def plot(result: dict, out_dir: os.PathLike) -> list[str]:
         plt.close(fig)
         written.append(path)
     return written
+
+
+def _plain_log2_ticks(ax, values: list[int]) -> None:
+    """A log-2 axis labelled with the swept values themselves (4, 16, 64), not 2^2, 2^4, 2^6."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(values, [str(v) for v in values])
+    ax.minorticks_off()
 
 
 def _num(v, width: int, digits: int = 2) -> str:
@@ -140,7 +147,7 @@ def plot_expert_parallel(rows: list[dict], out_dir: os.PathLike) -> list[str]:
             over = [(w, t) for w, t, o in pts if o]
             if over:
                 ax.scatter(*zip(*over), s=120, facecolors="none", edgecolors=line.get_color())
-    ax.set_xscale("log", base=2)
+    _plain_log2_ticks(ax, sorted({r["world_size"] for r in done}))
     ax.set_xlabel("ranks (world size); open ring: oversubscribed")
     ax.set_ylabel("tokens/s, all ranks (fwd+bwd)")
     ax.set_title(f"expert parallel: T={first['tokens']}/rank, k={first['top_k']}, "
