@@ -180,7 +180,7 @@ def build_layers(p: Point, layers: tuple[str, ...], ds: _DeepSpeed) -> tuple[dic
                 fns[name] = lambda m=layer, xr=xr: _backward(m(xr)[0])
             elif name == "fmoe":
                 if not torch.cuda.is_available():
-                    raise RuntimeError("fastmoe's kernels need CUDA (no GPU here)")
+                    raise RuntimeError("no CUDA GPU; fastmoe's kernels are CUDA-only")
                 import fmoe  # noqa: F401
 
                 from moebench.models.moe import build_moe_mlp

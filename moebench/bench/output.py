@@ -13,7 +13,7 @@ def format_table(result: dict) -> str:
     for r in result["rows"]:
         head = f"{r['layer']:<19}{r['experts']:>4}{r['tokens']:>6}{r['top_k']:>2}"
         if r.get("skipped"):
-            lines.append(f"{head}  skipped: {r['skipped']}"[:80])
+            lines.append(f"{head}  skipped: {r['skipped'].removeprefix('RuntimeError: ')}"[:80])
             continue
         spread = 100 * (r["max_s"] - r["min_s"]) / r["time_s"]
         lines.append(f"{head}{r['tokens_per_s']:>8.0f}{r['gflops']:>8.1f}{fmt(r['vs_ideal'], 7)}"
