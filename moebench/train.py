@@ -207,15 +207,15 @@ def execute_run(
     """
     writer = not under_torchrun() or int(os.environ["RANK"]) == 0
     with sigterm_as_interrupt():  # SIGTERM is recorded like Ctrl-C: "interrupted", ranks killed
-        with signals_deferred():  # a signal now lands after the folder says "running", in the try below
+        with signals_deferred():  # a signal now lands after the folder says "running", inside outcome_recorded
             run = results.RunDir.create(kind, name, results_root) if writer else None
             if run is not None:
                 run.start()
         run_path = run.path if run else None
-        try:
+        with outcome_recorded(run):
             if run is not None:
                 run.write_json("config.json", {"kind": kind, **config})
-                run.write_json("env.json", (env_summary or _default_env_summary)())
+                run.write_json("env.json", (env_summary or default_env_summary)())
             in_process = world_size == 1 if in_process is None else in_process
             rank_summary = _run_ranks(rank_fn, world_size, run_path, rank_args, backend, timeout_s, kind,
                                       in_process)
@@ -224,16 +224,24 @@ def execute_run(
                 _plot(run, title=f"{kind} ({summary.get('moe_impl', kind)})  {run.run_id}", summary=summary,
                       aux_coef=(config.get("train") or {}).get("aux_loss_coef"))
                 final = run.finish(results.STATUS_OK, summary)
-        except KeyboardInterrupt:
-            record_end(run, results.STATUS_INTERRUPTED, "interrupted (Ctrl-C or SIGTERM)")
-            raise
-        except BaseException as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            unwritten = record_end(run, results.STATUS_FAILED, error)
-            if isinstance(exc, RunFailed) and not unwritten:
-                raise
-            raise RunFailed(error + (f"; {unwritten}" if unwritten else ""), run_path) from exc
     return RunOutcome(run_path=run_path, summary=final if run is not None else summary)
+
+
+@contextlib.contextmanager
+def outcome_recorded(run: results.RunDir | None):
+    """Inside, a Ctrl-C or SIGTERM is recorded "interrupted" and re-raised; any other failure is
+    recorded "failed" and raised as RunFailed naming the folder (once: a RunFailed passes through)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        record_end(run, results.STATUS_INTERRUPTED, "interrupted (Ctrl-C or SIGTERM)")
+        raise
+    except BaseException as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        unwritten = record_end(run, results.STATUS_FAILED, error)
+        if isinstance(exc, RunFailed) and not unwritten:
+            raise
+        raise RunFailed(error + (f"; {unwritten}" if unwritten else ""), run.path if run else None) from exc
 
 
 def record_end(run: results.RunDir | None, status: str, error: str) -> str:
@@ -287,7 +295,7 @@ def _plot(run: results.RunDir, *, title: str, summary: dict, aux_coef: float | N
                          eval_loss=(summary.get("test") or {}).get("loss"), aux_coef=aux_coef)
 
 
-def _default_env_summary() -> dict:
+def default_env_summary() -> dict:
     try:
         from moebench.envcheck import summary
     except ImportError:

@@ -214,3 +214,18 @@ def test_targets_are_judged_on_every_point():
     assert line["per_token_growth"] == pytest.approx(100 / 90 - 1) and line["ideal_growth"] == pytest.approx(0.25)
     assert t["flat"]["met"] is True  # +11 % is within 15 %
     assert "missed" in bench_core.format_targets(t) and bench_core.targets([row("ideal", 4, 1.0)]) is None
+
+
+@pytest.mark.parametrize("error,status,code", [(RuntimeError("layer broke"), "failed", 1),
+                                               (KeyboardInterrupt(), "interrupted", 130)])
+def test_a_bench_that_fails_or_is_interrupted_says_so(tmp_path, monkeypatch, error, status, code):
+    def broken(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(bench_core, "run_sweep", broken)
+    out = CliRunner().invoke(app, ["bench", "--quick", "--results-dir", str(tmp_path)])
+    assert out.exit_code == code, out.output
+    (run_dir,) = list((tmp_path / "bench").iterdir())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == status
+    assert (run_dir / "config.json").is_file() and (run_dir / "env.json").is_file()

@@ -62,16 +62,16 @@ def run_bench(spec: BenchSpec, results_dir, *, name: str, log: Callable[[str], N
     from moebench import results
     from moebench.bench import parallel, train_step
     from moebench.distributed.launch import sigterm_as_interrupt
-    from moebench.errors import RunFailed
-    from moebench.train import record_end, signals_deferred
+    from moebench.train import default_env_summary, outcome_recorded, signals_deferred
 
     with sigterm_as_interrupt():
         with signals_deferred():
             run = results.RunDir.create("bench", name, results_dir)
             run.start()
-        try:
+        with outcome_recorded(run):
             config = dataclasses.asdict(spec)
             run.write_json("config.json", {"kind": "bench", **config})
+            run.write_json("env.json", default_env_summary())
             body: dict = {}
             if spec.train:
                 body["train"] = train_step.run_train(spec.preset, steps=spec.repeats, warmup=spec.warmup, log=log)
@@ -92,13 +92,6 @@ def run_bench(spec: BenchSpec, results_dir, *, name: str, log: Callable[[str], N
                 plots = plot(body, run.path) + plot_expert_parallel(body.get("expert_parallel", []), run.path)
                 body["plots"] = [os.path.basename(p) for p in plots]
             return run.finish(results.STATUS_OK, body)
-        except KeyboardInterrupt:
-            record_end(run, results.STATUS_INTERRUPTED, "interrupted (Ctrl-C or SIGTERM)")
-            raise
-        except BaseException as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            unwritten = record_end(run, results.STATUS_FAILED, error)
-            raise RunFailed(error + (f"; {unwritten}" if unwritten else ""), run.path) from exc
 
 
 TARGET_VS_IDEAL = 0.95
