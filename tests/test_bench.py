@@ -229,3 +229,31 @@ def test_a_bench_that_fails_or_is_interrupted_says_so(tmp_path, monkeypatch, err
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == status
     assert (run_dir / "config.json").is_file() and (run_dir / "env.json").is_file()
+
+
+@pytest.mark.multirank
+def test_quick_sweep_fields():
+    """`moebench bench --quick` itself (the issue's "under a minute"): every section and field."""
+    import time as _time
+
+    start = _time.monotonic()
+    out = CliRunner().invoke(app, ["bench", "--quick", "--json"])
+    assert out.exit_code == 0, out.output
+    assert _time.monotonic() - start < 60
+    doc = json.loads(out.stdout[out.stdout.index("{"):])
+    layers = ("ideal", "dense", "reference", "reference-balanced", "deepspeed-cf1", "deepspeed-cf2", "fmoe",
+              "grouped-mm")
+    assert {(r["layer"], r["experts"], r["tokens"], r["top_k"]) for r in doc["rows"]} == {
+        (n, e, 1024, 2) for n in layers for e in (4, 16)}
+    for r in doc["rows"]:
+        if r["skipped"]:
+            assert r["layer"] == "fmoe" and not torch.cuda.is_available()
+            continue
+        assert r["d_model"] == 256 and r["d_hidden"] == 1024 and r["peak_rss_mb"] is not None
+        assert r["tokens_per_s"] == pytest.approx(1024 / r["time_s"])
+    assert [b["point"]["experts"] for b in doc["breakdown"]] == [4, 16]
+    assert {(r["layer"], r["world_size"], r["experts"]) for r in doc["expert_parallel"]} == {
+        (n, w, e) for n in ("reference-ep", "deepspeed-ep-cf1") for w in (1, 2) for e in (4, 16)}
+    assert set(doc["targets"]) == {"layer", "vs_ideal", "vs_deepspeed_cf1", "flat"}
+    assert sorted(doc["plots"]) == ["tokens_per_s_vs_experts.png", "tokens_per_s_vs_tokens.png",
+                                    "tokens_per_s_vs_world_size.png"]
