@@ -257,3 +257,12 @@ def test_quick_sweep_fields():
     assert set(doc["targets"]) == {"layer", "vs_ideal", "vs_deepspeed_cf1", "flat"}
     assert sorted(doc["plots"]) == ["tokens_per_s_vs_experts.png", "tokens_per_s_vs_tokens.png",
                                     "tokens_per_s_vs_world_size.png"]
+
+
+def test_bench_under_a_launcher_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    out = CliRunner().invoke(app, ["bench", "--quick", "--results-dir", str(tmp_path)])
+    assert out.exit_code == 2 and out.output.count("\n") == 1, out.output
+    assert out.output.startswith("error: --world-size: bench starts its own local ranks")
+    assert not (tmp_path / "bench").exists()

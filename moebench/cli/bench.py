@@ -70,8 +70,12 @@ def bench(
     from moebench.bench import core
     from moebench.bench.parallel import EP_LAYERS
     from moebench.config import require_world_size
+    from moebench.distributed.env import is_launched_rank
     from moebench.errors import UserError
 
+    if is_launched_rank():  # it times one process, then starts its own ranks: one rank of a job cannot
+        raise UserError("bench starts its own local ranks; run it without torchrun or the deepspeed launcher",
+                        flag="--world-size")
     if quick:
         experts, tokens, top_k, d_model, d_hidden, world_size = (QUICK[k] for k in (
             "experts", "tokens", "top_k", "d_model", "d_hidden", "world_size"))
