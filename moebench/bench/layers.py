@@ -241,6 +241,18 @@ def peak_memory(fn: Callable) -> int:
     return max(0, (top if top is not None else _rss()) - base)
 
 
+def warm_up(fns: dict[str, Callable], warmup: int) -> dict[str, int | None]:
+    """Call each layer `warmup` times; the first call measures its peak memory (None without one)."""
+    peak: dict[str, int | None] = dict.fromkeys(fns)
+    for name, fn in fns.items():
+        for i in range(max(warmup, 0)):
+            if i == 0:
+                peak[name] = peak_memory(fn)
+            else:
+                fn()
+    return peak
+
+
 def time_call(fn: Callable) -> float:
     if torch.cuda.is_available():
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -313,14 +325,7 @@ def run_sweep(points: list[Point], layers: tuple[str, ...] = LAYERS, repeats: in
             if log:
                 log(f"E={p.experts} T={p.tokens} k={p.top_k} d={p.d_model}/{p.d_hidden}")
             fns, skipped = build_layers(p, layers, ds)
-            peak: dict[str, int | None] = {}
-            for name, fn in fns.items():
-                peak[name] = None
-                for i in range(max(warmup, 0)):
-                    if i == 0:  # the first warm-up call measures the layer's peak memory
-                        peak[name] = peak_memory(fn)
-                    else:
-                        fn()
+            peak = warm_up(fns, warmup)
             times: dict[str, list[float]] = {n: [] for n in fns}
             for _ in range(max(repeats, 1)):
                 for name, fn in fns.items():  # interleaved: every layer once per repeat

@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
+
+from moebench.report.figures import pyplot, save_figure
 
 
 def format_table(result: dict) -> str:
     """Plain text, at most 80 columns."""
     lines = [f"{'layer':<19}{'E':>4}{'T':>6}{'k':>2}{'tok/s':>8}{'GFLOP/s':>8}{'xideal':>7}{'xdense':>7}"
              f"{'xDS1':>6}{'spr%':>5}{'MB':>6}"]
-    fmt = (lambda v, w, d=2: f"{v:>{w}.{d}f}" if v is not None else f"{'-':>{w}}")
     for r in result["rows"]:
         head = f"{r['layer']:<19}{r['experts']:>4}{r['tokens']:>6}{r['top_k']:>2}"
         if r.get("skipped"):
             lines.append(f"{head}  skipped: {r['skipped'].removeprefix('RuntimeError: ')}"[:80])
             continue
         spread = 100 * (r["max_s"] - r["min_s"]) / r["time_s"]
-        lines.append(f"{head}{r['tokens_per_s']:>8.0f}{r['gflops']:>8.1f}{fmt(r['vs_ideal'], 7)}"
-                     f"{fmt(r['vs_dense'], 7)}{fmt(r['vs_deepspeed_cf1'], 6)}{spread:>5.0f}"
+        lines.append(f"{head}{r['tokens_per_s']:>8.0f}{r['gflops']:>8.1f}{_num(r['vs_ideal'], 7)}"
+                     f"{_num(r['vs_dense'], 7)}{_num(r['vs_deepspeed_cf1'], 6)}{spread:>5.0f}"
                      f"{_num(r['peak_rss_mb'], 6, 0)}")
     for b in result["breakdown"]:
         p = b["point"]
@@ -32,11 +34,7 @@ def format_table(result: dict) -> str:
 
 def plot(result: dict, out_dir: os.PathLike) -> list[str]:
     """tokens/s vs experts and vs tokens, one line per layer (the other axes at their first value)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = [r for r in result["rows"] if not r.get("skipped")]
     written = []
     if not rows:
@@ -54,11 +52,7 @@ def plot(result: dict, out_dir: os.PathLike) -> list[str]:
         ax.set_ylabel("tokens/s (fwd+bwd)")
         ax.set_title(f"{fixed}={first[fixed]}, k={first['top_k']}, d={first['d_model']}/{first['d_hidden']}")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"tokens_per_s_vs_{axis}.png")
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
+        written.append(str(save_figure(fig, Path(out_dir) / f"tokens_per_s_vs_{axis}.png")))
     return written
 
 
@@ -126,11 +120,7 @@ def format_train(result: dict) -> str:
 
 def plot_expert_parallel(rows: list[dict], out_dir: os.PathLike) -> list[str]:
     """tokens/s (all ranks) against the world size, one line per layer and expert count."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     done = [r for r in rows if not r.get("skipped")]
     if not done:
         return []
@@ -153,8 +143,4 @@ def plot_expert_parallel(rows: list[dict], out_dir: os.PathLike) -> list[str]:
     ax.set_title(f"expert parallel: T={first['tokens']}/rank, k={first['top_k']}, "
                  f"d={first['d_model']}/{first['d_hidden']}")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = os.path.join(out_dir, "tokens_per_s_vs_world_size.png")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return [path]
+    return [str(save_figure(fig, Path(out_dir) / "tokens_per_s_vs_world_size.png"))]

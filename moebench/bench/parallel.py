@@ -16,22 +16,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import statistics
 import time
 
 import torch
 
-from moebench.bench.layers import Point, peak_memory, profile_shares, release_memory, time_call
+from moebench.bench.layers import Point, profile_shares, release_memory, time_call, warm_up
+from moebench.distributed.env import usable_cores
 
 EP_LAYERS = ("reference-ep", "deepspeed-ep-cf1")
 
 
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+def oversubscribed(world: int) -> bool:
+    """More rank threads than usable cores: the ranks take turns on the cores."""
+    return world * torch.get_num_threads() > usable_cores()
 
 
 def _build_ep_layer(name: str, p: Point, world: int, rank: int):
@@ -118,7 +116,7 @@ def _ep_rank(ctx, points: list[Point], layers: tuple[str, ...], repeats: int, wa
                 ds_error = f"{type(e).__name__}: {e}"[:200]
         for p in points:
             base = {**dataclasses.asdict(p), "world_size": world, "threads_per_rank": threads,
-                    "oversubscribed": world * threads > usable_cores(), "device": ctx.device}
+                    "oversubscribed": oversubscribed(world), "device": ctx.device}
             fns, skipped = {}, {}
             g = torch.Generator().manual_seed(1000 + rank)
             x = torch.randn(1, p.tokens, p.d_model, generator=g).to(ctx.device).requires_grad_()
@@ -135,13 +133,7 @@ def _ep_rank(ctx, points: list[Point], layers: tuple[str, ...], repeats: int, wa
                         y.backward(torch.ones_like(y))
 
                     fns[name] = fn
-            peak: dict[str, int | None] = dict.fromkeys(fns)
-            for name, fn in fns.items():
-                for i in range(warmup):
-                    if i == 0:  # every rank calls (collectives); rank 0's peak is reported
-                        peak[name] = peak_memory(fn)
-                    else:
-                        fn()
+            peak = warm_up(fns, warmup)  # every rank calls (collectives); rank 0's peaks are reported
             times: dict[str, list[float]] = {n: [] for n in fns}
             for _ in range(repeats):
                 for name, fn in fns.items():  # interleaved, as the one-process sweep
@@ -207,7 +199,7 @@ def _comm_rank(ctx, sizes: list[int], repeats: int, warmup: int) -> list[dict]:
                      "min_s": min(times), "max_s": max(times),
                      # what leaves each rank: (W-1)/W of its buffer (its own share stays)
                      "bytes_per_s": nbytes * (world - 1) / world / m,
-                     "oversubscribed": world * torch.get_num_threads() > usable_cores()})
+                     "oversubscribed": oversubscribed(world)})
     return rows if ctx.rank == 0 else []
 
 
@@ -236,4 +228,4 @@ def run_comm(points: list[Point], world_sizes: list[int], repeats: int = 5, warm
     return rows
 
 
-__all__ = ["EP_LAYERS", "run_comm", "run_expert_parallel", "usable_cores"]
+__all__ = ["EP_LAYERS", "oversubscribed", "run_comm", "run_expert_parallel"]

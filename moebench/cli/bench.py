@@ -62,14 +62,15 @@ def bench(
                                "variant's --preset, phase by phase, against FLOP and bandwidth bounds."),
     preset: str = typer.Option("chapter", "--preset", help="The preset --train times."),
     no_profile: bool = typer.Option(False, "--no-profile", help="Skip the torch.profiler breakdowns."),
-    timeout: float = typer.Option(900.0, "--timeout", help="Seconds each multi-rank launch may take."),
+    timeout: float = typer.Option(900.0, "--timeout", metavar="SECONDS",
+                                  help="Hang deadline of each multi-rank launch: hung ranks are dumped and killed."),
     results_dir: Optional[str] = flags.shared_option("results_dir"),
     as_json: bool = flags.shared_option("as_json"),
 ) -> None:
     """Time one MoE layer's forward + backward against the per-expert GEMM bound and DeepSpeed."""
     from moebench.bench import core
     from moebench.bench.parallel import EP_LAYERS
-    from moebench.config import require_world_size
+    from moebench.config import require_positive, require_world_size
     from moebench.distributed.env import is_launched_rank
     from moebench.errors import UserError
 
@@ -80,8 +81,7 @@ def bench(
         experts, tokens, top_k, d_model, d_hidden, world_size = (QUICK[k] for k in (
             "experts", "tokens", "top_k", "d_model", "d_hidden", "world_size"))
         repeats = repeats or 1
-    if not timeout > 0 or timeout != timeout or timeout == float("inf"):
-        raise UserError(f"must be a positive number of seconds, got {timeout}", flag="--timeout")
+    require_positive({"--timeout": timeout})
     if not preset.strip():
         raise UserError("must name a preset, e.g. chapter", flag="--preset")
     names = _names(layers, core.LAYERS, "--layers")

@@ -36,11 +36,15 @@ def debug() -> bool:
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask; every core where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def rank_threads(local_ranks: int) -> int:
     """Intra-op threads per rank, the same under every launcher: the usable cores shared out, at
     least 1 (16 oversubscribed ranks on 2 cores crawl when each spawns a full pool)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, local_ranks))
+    return max(1, usable_cores() // max(1, local_ranks))

@@ -16,7 +16,7 @@ TOLERANCE_FLOOR = 1e-9
 """A difference of exactly 0 is drawn at this fraction of its tolerance (a log axis has no 0)."""
 
 
-def _plt():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")  # no display on servers and CI
@@ -25,8 +25,9 @@ def _plt():
     return plt
 
 
-def _save(fig, path: Path) -> Path:
-    plt = _plt()
+def save_figure(fig, path: Path) -> Path:
+    """Lay out, write atomically and close (bench's plots use it too)."""
+    plt = pyplot()
     fig.tight_layout()
     tmp = path.with_name(f".{path.name}.tmp.png")
     fig.savefig(tmp, dpi=100)
@@ -48,7 +49,7 @@ def plot_loss(metrics: list[dict], path: Path, *, title: str = "", steps_per_epo
     published values (hollow marks at (step, value, label)) and the aux loss on its own axis."""
     if not metrics:
         return None
-    plt = _plt()
+    plt = pyplot()
     steps = [m["step"] for m in metrics]
     fig, ax = plt.subplots(figsize=(8, 4.2))
     ax.plot(steps, [m["loss"] for m in metrics], color=COLORS["measured"], lw=1.4, label="training loss (measured)")
@@ -93,7 +94,7 @@ def plot_loss(metrics: list[dict], path: Path, *, title: str = "", steps_per_epo
     ax.legend(handles, labels, fontsize=8, loc="upper right", framealpha=1.0)
     ax.margins(y=0.12)  # room for the marks' labels inside the axes
     ax.set_title(title, fontsize=11)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_params(by_category: dict, published: dict, path: Path, *, title: str) -> Path | None:
@@ -101,7 +102,7 @@ def plot_params(by_category: dict, published: dict, path: Path, *, title: str) -
     cats = [c for c in PARAM_CATEGORIES if c in by_category]
     if not cats:
         return None
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 0.6 * len(cats) + 1.6))
     ys = range(len(cats))
     height = 0.38 if published else 0.6
@@ -124,7 +125,7 @@ def plot_params(by_category: dict, published: dict, path: Path, *, title: str) -
     ax.set_xlabel("parameters (log scale)")
     ax.legend(fontsize=8, loc="lower right")
     ax.set_title(title, fontsize=11)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_expert_load(metrics: list[dict], path: Path, *, title: str) -> Path | None:
@@ -137,7 +138,7 @@ def plot_expert_load(metrics: list[dict], path: Path, *, title: str) -> Path | N
     drops = [(m["step"], m["dropped_route_frac"]) for m in metrics if m.get("dropped_route_frac") is not None]
     if not any(f for _, f in drops):  # a gate without capacity (naive): the text says 0 %, no empty panel
         drops = []
-    plt = _plt()
+    plt = pyplot()
     n_axes = layers + (1 if drops else 0)
     fig, axes = plt.subplots(n_axes, 1, figsize=(8, 2.4 * layers + (1.8 if drops else 0) + 0.6), squeeze=False,
                              gridspec_kw={"height_ratios": [3] * layers + ([1.6] if drops else [])})
@@ -170,7 +171,7 @@ def plot_expert_load(metrics: list[dict], path: Path, *, title: str) -> Path | N
         _integer_steps(ax)
         ax.grid(alpha=0.3)
     axes[0][0].set_title(title, fontsize=11)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def tolerance_ratio(comparison: dict) -> float | None:
@@ -201,7 +202,7 @@ def plot_parity(checks: list[dict], path: Path, *, title: str) -> Path | None:
     rows = [r for r in rows if r[1] is not None]
     if not rows:
         return None
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 0.38 * len(rows) + 1.5))
     values = [max(r, TOLERANCE_FLOOR) if math.isfinite(r) else 1e3 for _, r, _ in rows]
     colors = [COLORS["measured"] if status == "pass" else COLORS["chapter"] for _, _, status in rows]
@@ -219,7 +220,7 @@ def plot_parity(checks: list[dict], path: Path, *, title: str) -> Path | None:
     ax.set_xlim(TOLERANCE_FLOOR / 10, 1e4)
     ax.set_xlabel("largest |difference| / tolerance (log scale; below 1 passes)")
     ax.set_title(title, fontsize=11)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_overlay(runs: list[tuple[str, list[dict]]], path: Path, *, title: str) -> Path | None:
@@ -227,7 +228,7 @@ def plot_overlay(runs: list[tuple[str, list[dict]]], path: Path, *, title: str) 
     runs = [(label, metrics) for label, metrics in runs if metrics]
     if len(runs) < 2:
         return None
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.2))
     for label, metrics in runs:
         ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], lw=1.2, label=label)
@@ -237,4 +238,4 @@ def plot_overlay(runs: list[tuple[str, list[dict]]], path: Path, *, title: str) 
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(title, fontsize=11)
-    return _save(fig, path)
+    return save_figure(fig, path)

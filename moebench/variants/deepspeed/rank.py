@@ -23,42 +23,64 @@ from moebench.variants.deepspeed.model import build_model
 from moebench.variants.deepspeed.routing import RoutingTotals, drop_fractions
 
 
-def train_rank(ctx: RankContext, run_path, config_dict: dict, show_progress: bool = True) -> dict:
-    """Train on this rank through DeepSpeed's engine; rank 0 writes params.json and metrics.jsonl."""
-    from moebench.models.deepspeed_moe import create_expert_groups, moe_layers, set_accelerator_env
-    from moebench.models.transformer import count_params
+@contextlib.contextmanager
+def engine_on(ctx: RankContext, config: DeepSpeedRunConfig):
+    """DeepSpeed on this rank, as `run deepspeed` trains: its comm layer on the rank's group (no shm
+    op build; in-process, a one-rank group of its own), DeepSpeed's expert groups, the seeded model
+    holding this rank's experts, and `deepspeed.initialize` with the MoE parameter groups split.
+    Yields a namespace (engine, model, ds_config, timings)."""
+    import types
 
-    config = config_tree.build(DeepSpeedRunConfig, config_dict)
-    train = config.train
+    from moebench.models.deepspeed_moe import create_expert_groups, set_accelerator_env
+
     set_accelerator_env(config.launch.device)
-    timings: dict[str, float] = {}
     start = time.perf_counter()
     with stdout_to_stderr():  # DeepSpeed prints on stdout; keep it for moebench's result (--json)
         import deepspeed
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-    timings["import_deepspeed_s"] = time.perf_counter() - start
+    timings = {"import_deepspeed_s": time.perf_counter() - start}
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its INFO lines would bury the progress bar
     ds_config = build_ds_config(config)
-    writer = rank_writer(ctx, run_path)
-
     with stdout_to_stderr(), deepspeed_comm(ctx, compiled_ops=config.engine.compiled_ops,
                                             timeout_s=config.launch.timeout_s or config.default_timeout_s,
                                             backend=config.launch.comm_backend) as init_s:
         import torch.distributed as dist
 
         timings["init_distributed_s"] = init_s
-        rank, world = dist.get_rank(), dist.get_world_size()
-        used_backend = dist.get_backend()  # what really ran (recorded beside the predicted one)
         create_expert_groups(config.moe.ep_size)
-        model = build_model(config, ep_rank=rank % config.moe.ep_size)
-        params = count_params(model, ep_size=config.moe.ep_size)
-        if writer:
-            writer.write_json("params.json", {"moe_impl": "deepspeed", **params})
+        model = build_model(config, ep_rank=dist.get_rank() % config.moe.ep_size)
         groups = split_params_into_different_moe_groups_for_optimizer(
             {"params": list(model.parameters()), "name": "parameters"})
         t0 = time.perf_counter()
         engine, _optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config)
         timings["deepspeed_initialize_s"] = time.perf_counter() - t0
+        ds = types.SimpleNamespace(engine=engine, model=model, ds_config=ds_config, timings=timings)
+        del engine, _optimizer
+        try:
+            yield ds
+        finally:
+            ds.engine = None  # drop the engine (and its group references) before the comm layer is torn down
+
+
+def train_rank(ctx: RankContext, run_path, config_dict: dict, show_progress: bool = True) -> dict:
+    """Train on this rank through DeepSpeed's engine; rank 0 writes params.json and metrics.jsonl."""
+    from moebench.models.deepspeed_moe import moe_layers
+    from moebench.models.transformer import count_params
+
+    config = config_tree.build(DeepSpeedRunConfig, config_dict)
+    train = config.train
+    start = time.perf_counter()
+    writer = rank_writer(ctx, run_path)
+
+    with engine_on(ctx, config) as ds:
+        import torch.distributed as dist
+
+        engine, model, ds_config, timings = ds.engine, ds.model, ds.ds_config, ds.timings
+        rank, world = dist.get_rank(), dist.get_world_size()
+        used_backend = dist.get_backend()  # what really ran (recorded beside the predicted one)
+        params = count_params(model, ep_size=config.moe.ep_size)
+        if writer:
+            writer.write_json("params.json", {"moe_impl": "deepspeed", **params})
         seed_rank_randomness(train.seed, rank)  # gate noise / RTS: distinct per rank
         device = engine.device
         layers = moe_layers(model)
@@ -114,7 +136,7 @@ def train_rank(ctx: RankContext, run_path, config_dict: dict, show_progress: boo
         output_shape = list(out.shape)
         if writer:
             writer.close()
-        engine = None  # drop the engine (and its group references) before the comm layer is torn down
+        engine = None  # this function's reference too, before engine_on tears the comm layer down
 
     return {
         "moe_impl": "deepspeed", "world_size": world, "comm_backend": used_backend, "ep_size": config.moe.ep_size,
@@ -136,25 +158,13 @@ def _epoch_means(values: list[float], per_epoch: int) -> list[float]:
 
 @contextlib.contextmanager
 def step_parts(config: DeepSpeedRunConfig):
-    """The run's step through DeepSpeed's engine on one in-process rank (its own one-rank group),
-    phase by phase (see moebench.train.StepParts)."""
-    from moebench.models.deepspeed_moe import create_expert_groups, set_accelerator_env
+    """The run's step through DeepSpeed's engine on one in-process rank, phase by phase (see
+    moebench.train.StepParts)."""
     from moebench.train import StepParts
 
-    set_accelerator_env(config.launch.device)
-    with stdout_to_stderr():
-        import deepspeed
-        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     ctx = RankContext(rank=0, world_size=1, local_rank=0, backend="none", device="cpu")
-    with stdout_to_stderr(), deepspeed_comm(ctx, compiled_ops=config.engine.compiled_ops,
-                                            timeout_s=config.default_timeout_s):
-        create_expert_groups(config.moe.ep_size)
-        model = build_model(config)
-        groups = split_params_into_different_moe_groups_for_optimizer(
-            {"params": list(model.parameters()), "name": "parameters"})
-        engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=groups,
-                                                       config=build_ds_config(config))
+    with engine_on(ctx, config) as ds:
+        engine = ds.engine
         batches = Batches(config.train, config.model.d_model, rank=0, world_size=1)
         engine.train()
 
@@ -164,7 +174,6 @@ def step_parts(config: DeepSpeedRunConfig):
 
         yield StepParts(data=lambda s: tuple(t.to(engine.device) for t in batches.rank_batch(s)),
                         forward=forward, backward=engine.backward, optimizer=engine.step,
-                        trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
+                        trainable_params=sum(p.numel() for p in ds.model.parameters() if p.requires_grad),
                         optimizer_name=f"DeepSpeed engine (ZeRO {config.engine.zero_stage}) stepping "
-                                       f"{type(optimizer).__name__}")
-        engine = optimizer = None  # dropped before the comm layer is torn down
+                                       f"{type(engine.optimizer).__name__}")

@@ -42,8 +42,7 @@ def train_rank(ctx: RankContext, run_path, config_dict: dict, show_progress: boo
     moe_layers = [block.mlp for block in model.layers]
     kept = [torch.zeros(config.moe.experts, dtype=torch.int64) for _ in moe_layers]
     recorded = [True]  # emptied when a layer reports no routing counts
-    # The fused kernel is several times faster on the chapter model's 273 M parameters (CPU and CUDA).
-    optimizer = torch.optim.Adam(model.parameters(), lr=train.lr, fused=True)
+    optimizer = make_optimizer(model, config)
 
     def step_fn(step: int) -> dict:
         x, y = (t.to(device) for t in batches.rank_batch(step))
@@ -90,6 +89,11 @@ def train_rank(ctx: RankContext, run_path, config_dict: dict, show_progress: boo
     }
 
 
+def make_optimizer(model, config: FastMoERunConfig) -> torch.optim.Optimizer:
+    # The fused kernel is several times faster on the chapter model's 273 M parameters (CPU and CUDA).
+    return torch.optim.Adam(model.parameters(), lr=config.train.lr, fused=True)
+
+
 def routed_tokens(moe_layer, world_size: int) -> list[int] | None:
     """Slots routed to each global expert in the last forward, summed over ranks."""
     counts = getattr(moe_layer, "tokens_per_expert", None)
@@ -124,7 +128,7 @@ def step_parts(config: FastMoERunConfig):
 
     device = "cuda" if config.launch.device == "cuda" else "cpu"
     model = build_rank_model(config, 0, 1, device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.train.lr, fused=True)  # as train_rank
+    optimizer = make_optimizer(model, config)
     batches = Batches(config.train, config.model.d_model, rank=0, world_size=1)
     model.train()
 
@@ -139,4 +143,4 @@ def step_parts(config: FastMoERunConfig):
     yield StepParts(data=lambda s: tuple(t.to(device) for t in batches.rank_batch(s)), forward=forward,
                     backward=lambda loss: loss.backward(), optimizer=step,
                     trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
-                    optimizer_name="torch.optim.Adam(fused=True)")
+                    optimizer_name=f"torch.optim.{type(optimizer).__name__}(fused={optimizer.defaults.get('fused')})")
