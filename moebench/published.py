@@ -18,7 +18,7 @@ CHAPTER = "chapter 6 (fastmoe and DeepSpeed-MoE inside a Transformer)"
 
 # Tolerances, named, each with why.
 PARAMS_TOL_3SF = 1.0e6
-"""273 M / 268 M are printed as 2.73 / 2.68 亿 (three significant figures), and the chapter's
+"""273 M / 268 M are printed as 2.73 / 2.68 亿 (hundreds of millions; three significant figures), and the chapter's
 rounding is not consistent (a 2.686 亿 MoE layer would round to 2.69): a count within one unit of
 the last printed digit (1 M) matches."""
 ATTN_TOL = 0.01e6
@@ -102,18 +102,18 @@ _REGIME = ("the chapter prints no batch size, step count or data regime for fast
 
 FASTMOE: tuple[PublishedFigure, ...] = (
     PublishedFigure(key="params.total", label="parameters, total", value=273e6, unit="params",
-                    section=_FASTMOE_SECTION + ": ≈ 2.73 亿", tolerance=PARAMS_TOL_3SF,
+                    section=_FASTMOE_SECTION + ": ≈ 273 M", tolerance=PARAMS_TOL_3SF,
                     tolerance_reason="3 significant figures printed"),
     PublishedFigure(key="params.by_category.moe", label="parameters, MoE layer", value=268e6, unit="params",
-                    section=_FASTMOE_SECTION + ": ≈ 2.68 亿", tolerance=PARAMS_TOL_3SF,
+                    section=_FASTMOE_SECTION + ": ≈ 268 M", tolerance=PARAMS_TOL_3SF,
                     tolerance_reason="3 significant figures printed"),
     PublishedFigure(key="params.by_category.attention", label="parameters, attention", value=5.24e6,
-                    unit="params", section=_FASTMOE_SECTION + ": ≈ 5.24M", tolerance=ATTN_TOL,
+                    unit="params", section=_FASTMOE_SECTION + ": ≈ 5.24 M", tolerance=ATTN_TOL,
                     tolerance_reason="3 significant figures printed",
                     known_difference="nn.MultiheadAttention at d_model 1024 has 4·d² + 4·d = 4,198,400; 5.24 M is "
                                      "5·d² (5,242,880), one more d×d matrix than the chapter's code shows"),
     PublishedFigure(key="params.by_category.norm", label="parameters, norm layers", value=0.2e6, unit="params",
-                    section=_FASTMOE_SECTION + ": ≈ 0.2M", tolerance=NORM_TOL,
+                    section=_FASTMOE_SECTION + ": ≈ 0.2 M", tolerance=NORM_TOL,
                     tolerance_reason="1 significant figure printed",
                     known_difference="two LayerNorms of d_model 1024 have 4·d = 4,096 parameters; 0.2 M does not "
                                      "follow from any norm of this block"),
@@ -152,9 +152,9 @@ DEEPSPEED: tuple[PublishedFigure, ...] = (
                     tolerance=drop_tolerance_pp(1.784354, 1.000710), tolerance_reason=DROP_REASON,
                     if_differs=_DS_REGIME),
     PublishedFigure(key="test.input_shape", label="test input shape", value=(32, 8, 512), unit="shape",
-                    section=_DS_SECTION + ": (32，8，512)",
+                    section=_DS_SECTION + ": (32, 8, 512)",
                     if_differs="the run's batch size, sequence length or hidden size is not the chapter's"),
     PublishedFigure(key="test.output_shape", label="test output shape", value=(32, 8, 512), unit="shape",
-                    section=_DS_SECTION + ": (32，8，512)",
+                    section=_DS_SECTION + ": (32, 8, 512)",
                     if_differs="the MoE layer changed the shape: a defect"),
 )

@@ -175,14 +175,24 @@ def run_variant(variant, config, *, results_root=None, show_progress: bool = Tru
     return execute_run(kind=variant.name, name=config.preset, config=record,
                        world_size=launch_cfg.world_size, rank_fn=variant.rank_fn(),
                        rank_args=(record, show_progress), backend=launch_cfg.comm_backend, timeout_s=timeout_s,
-                       results_root=results_root, finish=lambda summary: with_comparison(summary, variant.published))
+                       results_root=results_root,
+                       finish=lambda summary: with_comparison(summary, variant.published, kind=variant.name,
+                                                              config=record))
 
 
-def with_comparison(summary: dict, figures) -> dict:
-    """The summary with its chapter comparison (measured vs published, per figure) added."""
+def with_comparison(summary: dict, figures, *, kind: str, config: dict) -> dict:
+    """The summary with its chapter comparison added: measured vs published per figure when the
+    config is the chapter's experiment; else every figure `not run` and `chapter_note` saying why
+    once (the same verdicts `moebench report` gives the run)."""
     from moebench import report
+    from moebench.report import chapter
 
-    return {**summary, "chapter_comparison": report.compare(summary, figures)}
+    differs = chapter.deviations(config, chapter.chapter_config(kind))
+    if not differs:
+        return {**summary, "chapter_comparable": True, "chapter_comparison": report.compare(summary, figures)}
+    note = chapter.not_comparable(kind, config.get("preset"), differs)
+    return {**summary, "chapter_comparable": False, "chapter_note": note,
+            "chapter_comparison": report.verdicts(summary, figures, not_run_reason=note)}
 
 
 def execute_run(

@@ -40,13 +40,15 @@ def report(
         return
     from rich.console import Console
 
-    from moebench.report.render_console import verdict_table
+    from moebench.report.render_console import not_run_reasons, verdict_table
 
     console = Console(highlight=False)
     for kind, run in outcome.primary.items():  # say which runs were judged: never a silent choice
         if run is not None:
             typer.echo(f"{kind:<10} {run.run_id} ({run.status})")
     console.print(verdict_table(outcome.rows))
+    for line in not_run_reasons(outcome.rows):
+        console.print(line)
     c = outcome.counts
     console.print(f"{c['reproduced']} reproduced, {c['differs']} differ, {c['not run']} not run; "
                   "reasons in REPORT.md")

@@ -81,7 +81,14 @@ def _print_report(variant, summary: dict, run_path) -> None:
     params = summary["params"]
     console.print(params_table({"total": params["total"], **params["by_category"]},
                                f"parameters ({summary['moe_impl']}, ep_size {params['ep_size']})"))
-    console.print(report.comparison_table(summary["chapter_comparison"], f"measured vs chapter 6 ({variant.name})"))
+    if summary.get("chapter_comparable", True):
+        console.print(report.comparison_table(summary["chapter_comparison"],
+                                              f"measured vs chapter 6 ({variant.name})"))
+    else:  # said once: a table of "-99.9 %" rows would compare two different experiments
+        from moebench.report.chapter import note_lines
+
+        for line in note_lines(summary["chapter_note"]):
+            console.print(line)
     steady = summary.get("tokens_per_s_steady")
     console.print(f"moe_impl {summary['moe_impl']}; loss per epoch: "
                   + ", ".join(f"{v:.6f}" for v in summary["epoch_loss"][:8])

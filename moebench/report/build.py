@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from moebench import published, results
-from moebench.report import collect, figures
+from moebench.report import chapter, collect, figures
 from moebench.report.claims import (
     DIFFERS,
     NOT_RUN,
@@ -44,10 +44,7 @@ class ReportResult:
 
 def chapter_config(kind: str) -> dict:
     """The chapter preset's resolved config, in config.json's shape."""
-    from moebench import config, variants
-
-    variant = variants.by_name(kind)
-    return config.as_dict(variants.resolve_config(variant, "chapter", {}))
+    return chapter.chapter_config(kind)
 
 
 def is_chapter_run(kind: str) -> Callable[[collect.Run], bool]:
@@ -64,8 +61,8 @@ def variant_rows(kind: str, run: collect.Run | None, missing: str) -> list[dict]
         reason = run.not_ok_reason()
     else:
         deviations = collect.chapter_deviations(run, chapter_config(kind))
-        reason = (f"run {run.run_id} is not the chapter's experiment ({'; '.join(deviations)}): run "
-                  f"`moebench run {kind} --preset chapter`" if deviations else "")
+        preset = (run.config or {}).get("preset")
+        reason = chapter.not_comparable(kind, preset, deviations) if deviations else ""  # the run: its row's run_id
     rows = verdicts(run.summary if run else None, figs, not_run_reason=reason)
     for row in rows:
         row["variant"] = kind
@@ -122,8 +119,15 @@ def verdict_table(rows: list[dict]) -> Table:
         headers=("claim", "variant", "measured", "chapter", "difference", "tolerance", "verdict", "why"),
         rows=tuple((r["label"], r["variant"], _measured_text(r), _published_text(r),
                     difference_text(r) if r["unit"] != "checks" else "—", r["tolerance"], r["verdict"],
-                    r["reason"]) for r in rows),
+                    _reason_text(rows, i)) for i, r in enumerate(rows)),
         classes=tuple(r["verdict"] for r in rows))
+
+
+def _reason_text(rows: list[dict], i: int) -> str:
+    """A row's reason, or "as above" when the row before gives the same one (a run that is not the
+    chapter's says why once, not in every row)."""
+    reason = rows[i]["reason"]
+    return "as above" if i and reason and rows[i - 1]["reason"] == reason else reason
 
 
 def _chapter_marks(kind: str, run: collect.Run) -> list[tuple[float, float, str]]:
@@ -189,6 +193,11 @@ def _variant_blocks(kind: str, run: collect.Run | None, out: Path) -> list[Block
     if (summary.get("test") or {}).get("loss") is not None:
         facts.append(f"eval loss on a held-out batch {summary['test']['loss']:.4f}; test shape "
                      f"{tuple(summary['test']['input_shape'])} -> {tuple(summary['test']['output_shape'])}")
+    differs = collect.chapter_deviations(run, chapter_config(kind))
+    comparable = not differs
+    if differs:
+        facts.append(f"not the chapter's experiment: {', '.join(differs)}; for a comparable run: "
+                     f"`moebench run {kind} --preset {chapter.CHAPTER_PRESET}`")
     if config.get("description"):
         facts.append(f"preset: {config['description']}")
     elif config.get("preset") == "chapter":
@@ -201,19 +210,23 @@ def _variant_blocks(kind: str, run: collect.Run | None, out: Path) -> list[Block
         except (OSError, ValueError):
             by_category = None
     if by_category:
-        png = figures.plot_params(by_category, PARAMS_PUBLISHED.get(kind, {}), out / f"params-{kind}.png",
+        published_counts = PARAMS_PUBLISHED.get(kind, {}) if comparable else {}
+        png = figures.plot_params(by_category, published_counts, out / f"params-{kind}.png",
                                   title=f"{kind}: parameters by category")
         if png:
-            blocks.append(Figure(png, f"{kind} parameter counts (params.json), beside the chapter's where it "
-                                      "publishes one (hatched)."))
+            blocks.append(Figure(png, f"{kind} parameter counts (params.json)"
+                                 + (", beside the chapter's where it publishes one (hatched)." if published_counts
+                                    else "; not the chapter's experiment, so the chapter's counts are not drawn.")))
     train = config.get("train") or {}
     png = figures.plot_loss(run.metrics, out / f"loss-{kind}.png", title=f"{kind}: training loss per step",
                             steps_per_epoch=summary.get("steps_per_epoch"),
                             eval_loss=(summary.get("test") or {}).get("loss"), aux_coef=train.get("aux_loss_coef"),
-                            chapter_marks=_chapter_marks(kind, run) if run.ok else [])
+                            chapter_marks=_chapter_marks(kind, run) if run.ok and comparable else [])
     if png:
-        blocks.append(Figure(png, f"{kind} loss (metrics.jsonl): the global-batch MSE per step; hollow red marks "
-                                  "are the chapter's published values, not measurements."
+        blocks.append(Figure(png, f"{kind} loss (metrics.jsonl): the global-batch MSE per step"
+                                  + ("; hollow red marks are the chapter's published values, not measurements."
+                                     if run.ok and comparable else
+                                     "; the chapter's values are not drawn (not its experiment)." if run.ok else ".")
                                   + ("" if run.ok else f" Run status: {run.status}; the curve shows what "
                                                        "metrics.jsonl holds.")))
     return blocks

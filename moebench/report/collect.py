@@ -8,24 +8,19 @@ import datetime
 import functools
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from moebench import results
 from moebench.errors import UserError
+from moebench.report import chapter
 
 VARIANT_KINDS = ("fastmoe", "deepspeed")
 """The training variants a report has a section for (moebench.variants.VARIANTS, without the import)."""
 KINDS = ("env", *VARIANT_KINDS, "parity")
 """Every kind of run a report reads, in report order."""
 
-IGNORED_FOR_CHAPTER = {
-    ("moe", "moe_impl"): "which implementation computes the layer is what a run compares, not its experiment",
-    ("moe", "ep_size"): "expert parallelism changes where experts live, not the model (parity-checked)",
-    ("train", "seed"): "another seed is another draw of the same experiment",
-    ("engine", "compiled_ops"): "the compiled and torch ops compute the same update",
-}
-"""Config fields in which a run may differ from the chapter preset and still be the chapter's
-experiment; every other field (and every launch field, ignored) must equal the preset's."""
+IGNORED_FOR_CHAPTER = chapter.IGNORED_FOR_CHAPTER
+"""Kept for callers of collect (moebench.report.chapter holds it)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -155,23 +150,6 @@ def select(paths: list[str], root: Path, since: datetime.datetime | None = None,
     return chosen
 
 
-def chapter_deviations(run: Run, chapter: dict) -> list[str]:
+def chapter_deviations(run: Run, chapter_cfg: dict) -> list[str]:
     """How a run's config differs from the chapter preset's, as "field value (chapter value)"."""
-    if run.config is None:
-        return ["config.json is missing"]
-    out = []
-    for section, fields in chapter.items():
-        if section in ("launch", "schema", "kind", "preset", "description") or not isinstance(fields, dict):
-            continue
-        mine = run.config.get(section) or {}
-        for name, want in fields.items():
-            if (section, name) in IGNORED_FOR_CHAPTER:
-                continue
-            got = mine.get(name)
-            if got != want:
-                out.append(f"{name} {_short(got)} (chapter {_short(want)})")
-    return out
-
-
-def _short(value: Any) -> str:
-    return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+    return chapter.deviations(run.config, chapter_cfg)

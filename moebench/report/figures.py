@@ -54,11 +54,12 @@ def plot_loss(metrics: list[dict], path: Path, *, title: str = "", steps_per_epo
     fig, ax = plt.subplots(figsize=(8, 4.2))
     ax.plot(steps, [m["loss"] for m in metrics], color=COLORS["measured"], lw=1.4, label="training loss (measured)")
     last = steps[-1]
+    xlabel = "optimizer step"
     if steps_per_epoch and last > steps_per_epoch:
         for boundary in range(steps_per_epoch, last, steps_per_epoch):
             ax.axvline(boundary + 0.5, color="grey", ls=":", lw=0.8)
-        ax.text(steps_per_epoch + 0.5, 0.02, " epoch boundaries", transform=ax.get_xaxis_transform(), va="bottom",
-                fontsize=8, color="grey")
+        # Named under the axis, where no mark's label inside the axes can cover it.
+        xlabel += f" (dotted: epoch boundaries, every {steps_per_epoch} steps)"
         # The measured epoch means: what the chapter's per-epoch marks compare with.
         for i, start in enumerate(range(0, len(metrics), steps_per_epoch)):
             chunk = metrics[start:start + steps_per_epoch]
@@ -75,7 +76,7 @@ def plot_loss(metrics: list[dict], path: Path, *, title: str = "", steps_per_epo
         ax.annotate(label, (step, value), textcoords="offset points", xytext=(-8 if right else 8, -14), fontsize=8,
                     color=COLORS["chapter"], ha="right" if right else "left", zorder=5,
                     bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.85})
-    ax.set_xlabel("optimizer step")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("MSE loss")
     _integer_steps(ax)
     ax.grid(alpha=0.3)

@@ -28,3 +28,18 @@ def verdict_table(rows: list[dict]):
         table.add_row(label, _text(r["measured"], r["unit"]), format_published(r["published"], r["unit"]),
                       f"[{STYLE[r['verdict']]}]{r['verdict']}[/]", end_section=last_of_variant)
     return table
+
+
+def not_run_reasons(rows: list[dict]) -> list[str]:
+    """Why claims were not judged, each reason once (11 rows of one quick run share one reason)."""
+    from moebench.report.chapter import note_lines
+
+    lines: list[str] = []
+    seen: set[str] = set()
+    for r in rows:
+        if r["verdict"] != NOT_RUN or not r.get("reason") or r["reason"] in seen:
+            continue
+        seen.add(r["reason"])
+        first, *rest = note_lines(r["reason"])
+        lines += [f"{r['variant']}: {first}", *("  " + line for line in rest)]
+    return lines
