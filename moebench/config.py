@@ -171,6 +171,14 @@ class TrainConfig:
     def tokens_per_step(self) -> int:
         return self.batch_size * self.seq_len
 
+    def plan(self) -> str:
+        """How long the run trains, as a headline says it ("5 epochs x 40 steps"; with --steps, the
+        steps and the epoch length, never a count of whole epochs it does not run)."""
+        per = self.steps_per_epoch
+        if self.steps is not None:
+            return f"{self.steps} step{'s' * (self.steps != 1)}, epochs of {per} step{'s' * (per != 1)}"
+        return f"{self.epochs} epoch{'s' * (self.epochs != 1)} x {per} step{'s' * (per != 1)}"
+
 
 @dataclasses.dataclass(kw_only=True)
 class LaunchConfig:

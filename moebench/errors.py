@@ -31,5 +31,13 @@ class RunFailed(RuntimeError):
         super().__init__(message)
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM after a run folder was marked "interrupted": the CLI names the folder."""
+
+    def __init__(self, run_path) -> None:
+        self.run_path = run_path
+        super().__init__(f"interrupted; results: {run_path}")
+
+
 class ConfigError(UserError):
     """A configuration value is invalid (raised from config `__post_init__`)."""

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from moebench import results
 from moebench.distributed.launch import RankContext, launch, sigterm_as_interrupt, under_torchrun
-from moebench.errors import RunFailed
+from moebench.errors import Interrupted, RunFailed
 
 WARMUP_STEPS = 2
 """Steps left out of the steady-state tokens/s: the first allocates buffers and optimizer state,
@@ -243,9 +243,11 @@ def outcome_recorded(run: results.RunDir | None):
     recorded "failed" and raised as RunFailed naming the folder (once: a RunFailed passes through)."""
     try:
         yield
-    except KeyboardInterrupt:
-        record_end(run, results.STATUS_INTERRUPTED, "interrupted (Ctrl-C or SIGTERM)")
-        raise
+    except KeyboardInterrupt as exc:
+        unwritten = record_end(run, results.STATUS_INTERRUPTED, "interrupted (Ctrl-C or SIGTERM)")
+        if run is None or unwritten or isinstance(exc, Interrupted):
+            raise
+        raise Interrupted(run.path) from exc  # the CLI names the folder it marked
     except BaseException as exc:
         error = f"{type(exc).__name__}: {exc}"
         unwritten = record_end(run, results.STATUS_FAILED, error)

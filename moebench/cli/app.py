@@ -11,7 +11,7 @@ from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageErro
 from typer.core import TyperGroup
 
 from moebench import __version__, signals
-from moebench.errors import RunFailed, UserError
+from moebench.errors import Interrupted, RunFailed, UserError
 
 
 class _Group(TyperGroup):
@@ -49,17 +49,33 @@ class _Group(TyperGroup):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except UserError as exc:
-            typer.echo(f"error: {exc}", err=True)
+        except UserError as exc:  # every rank of a launched job refuses the same input: rank 0 says it
+            if _talks():
+                typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(code=exc.exit_code) from None
         except RunFailed as exc:
             where = f"\nresults: {exc.run_path}" if exc.run_path else ""
             typer.echo(f"run failed: {exc}{where}", err=True)
             raise typer.Exit(code=exc.exit_code) from None
-        except KeyboardInterrupt:
-            typer.echo("interrupted (Ctrl-C or SIGTERM): every rank was stopped; a run that had started "
-                       "says \"interrupted\" in its summary.json", err=True)
+        except KeyboardInterrupt as exc:  # on a launched job's other ranks, the launcher's SIGTERM: rank 0 says why
+            if _talks():
+                typer.echo(_interrupted_text(exc), err=True)
             raise typer.Exit(code=130) from None
+
+
+def _interrupted_text(exc: KeyboardInterrupt) -> str:
+    if isinstance(exc, Interrupted):  # the folder it marked: a plain line, so the path can be copied
+        return (f"interrupted (Ctrl-C or SIGTERM): every rank was stopped; its summary.json says \"interrupted\""
+                f"\nresults: {exc.run_path}")
+    return ("interrupted (Ctrl-C or SIGTERM): every rank was stopped; a run that had started says \"interrupted\" "
+            "in its summary.json")
+
+
+def _talks() -> bool:
+    """Only rank 0 of a launched job prints (`moebench --debug` lets every rank talk)."""
+    from moebench.distributed.env import debug, is_printer
+
+    return is_printer() or debug()
 
 
 app = typer.Typer(

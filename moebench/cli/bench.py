@@ -75,8 +75,9 @@ def bench(
     from moebench.errors import UserError
 
     if is_launched_rank():  # it times one process, then starts its own ranks: one rank of a job cannot
-        raise UserError("bench starts its own local ranks; run it without torchrun or the deepspeed launcher",
-                        flag="--world-size")
+        raise UserError("bench times one process, then starts its own local ranks, but RANK and WORLD_SIZE say "
+                        "this process is one rank of a torchrun / deepspeed launch; run `moebench bench` "
+                        "without a launcher")
     if quick:
         experts, tokens, top_k, d_model, d_hidden, world_size = (QUICK[k] for k in (
             "experts", "tokens", "top_k", "d_model", "d_hidden", "world_size"))

@@ -9,7 +9,7 @@ import typer
 
 from moebench.cli import flags
 from moebench.distributed.env import is_printer as _is_printer
-from moebench.errors import UserError
+from moebench.errors import Interrupted, UserError
 
 app = typer.Typer()
 
@@ -159,9 +159,11 @@ def verify_parity(
     try:
         with quiet_stdout:
             summary = run(config, results_dir=results_dir, on_record=progress)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         if _is_printer():
-            typer.echo("verify-parity: interrupted; every rank was stopped", err=True)
+            where = f"; results: {exc.run_path} (summary.json says \"interrupted\")" if isinstance(
+                exc, Interrupted) else ""
+            typer.echo(f"verify-parity: interrupted; every rank was stopped{where}", err=True)
         raise typer.Exit(130) from None
     if _is_printer():
         if as_json:

@@ -150,9 +150,13 @@ def nvcc_check(nvcc: Nvcc, torch_cuda: str | None, gpu_count: int) -> Check:
     found = f"release {nvcc.full_version} at {where}"
     if not problems:
         return Check(**base, status=OK, found=found)
+    if not torch_cuda and nvcc.driver_library is None:  # a CPU-only machine: nothing here needs nvcc
+        return Check(**base, status=SKIP, found=f"{found}; not needed on this CPU-only machine: torch is a CPU "
+                                                 "build and there is no CUDA driver (libcuda)",
+                     hint=f"only for GPU work: a CUDA driver and a CUDA {nvcc.release} torch wheel")
     hint = []
     if not torch_cuda:
-        hint.append(f"nothing to do on a CPU-only machine; for GPU work install a CUDA {nvcc.release} torch wheel")
+        hint.append(f"for GPU work on this GPU machine install a CUDA {nvcc.release} torch wheel")
     elif nvcc.driver_library is None:
         hint.append("install the NVIDIA driver")
     if nvcc.toolkit_root and not nvcc.headers_ok:

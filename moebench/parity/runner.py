@@ -22,7 +22,7 @@ import torch
 
 from moebench.config import COMM_BACKENDS, require_choice, require_seed, require_world_size
 from moebench.distributed.launch import launch, local_world_size, resolve_backend, sigterm_as_interrupt, under_torchrun
-from moebench.errors import UserError
+from moebench.errors import Interrupted, UserError
 from moebench.parity.compare import TOLERANCE_MODES, Comparison
 from moebench.parity.diagnose import summarise
 from moebench.parity.registry import Check, CheckOptions, SkipCheck, all_checks, load_all, select
@@ -319,9 +319,11 @@ def _run_and_save(config, results_dir, on_record, is_writer) -> dict[str, Any]:
 
     try:
         summary = run_checks(config, on_record=record_done)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         finish_early(STATUS_INTERRUPTED)
-        raise
+        if run_dir is None:
+            raise
+        raise Interrupted(run_dir.path) from exc  # the CLI names the folder it marked
     except BaseException as exc:
         finish_early(STATUS_FAILED, reason=f"{type(exc).__name__}: {exc}")
         raise

@@ -405,7 +405,7 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 def build_report(paths: list[str], *, root: str | None = None, since: str | None = None) -> ReportResult:
     """Read the runs (the given folders, or the latest of each kind, started at or after `since`),
     write the report folder."""
-    from moebench.errors import UserError
+    from moebench.errors import Interrupted, UserError
 
     root_path = results.results_root(root)
     if since is not None and paths:
@@ -455,6 +455,8 @@ def build_report(paths: list[str], *, root: str | None = None, since: str | None
     except BaseException as exc:  # the folder says how it ended, then the error goes on
         status = results.STATUS_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else results.STATUS_FAILED
         run_dir.finish(status, {"error": f"{type(exc).__name__}: {exc}"})
+        if isinstance(exc, KeyboardInterrupt) and not isinstance(exc, Interrupted):
+            raise Interrupted(out) from exc  # the CLI names the folder it marked
         raise
     return ReportResult(path=out, rows=rows, counts=counts, runs=chosen, primary=primary)
 

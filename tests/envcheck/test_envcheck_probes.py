@@ -54,13 +54,23 @@ def test_nvcc_of_another_major_than_torch_fails_on_a_gpu_machine(tmp_path, drive
 
 
 def test_nvcc_that_exists_but_cannot_work_is_reported_as_such(tmp_path, driver):
-    # This machine's situation: nvcc runs, but there is no driver and torch is a CPU build.
+    # This machine's situation: nvcc runs, but there is no driver and torch is a CPU build. Nothing
+    # here needs it, so it is a skip (a warning would fail `env-check --strict` on a healthy machine).
     driver(False)
     _fake_nvcc(tmp_path / "cuda")
     info = torch_cuda.find_nvcc({"CUDA_HOME": str(tmp_path / "cuda")})
     check = torch_cuda.nvcc_check(info, torch_cuda=None, gpu_count=0)
-    assert check.status == WARN
-    assert "cannot work here" in check.found and "no CUDA driver" in check.found and "CPU build" in check.found
+    assert check.status == SKIP
+    assert "not needed on this CPU-only machine" in check.found
+    assert "no CUDA driver" in check.found and "CPU build" in check.found
+
+
+def test_nvcc_with_a_cpu_torch_on_a_gpu_machine_still_warns(tmp_path, driver):
+    driver(True)
+    _fake_nvcc(tmp_path / "cuda")
+    info = torch_cuda.find_nvcc({"CUDA_HOME": str(tmp_path / "cuda")})
+    check = torch_cuda.nvcc_check(info, torch_cuda=None, gpu_count=0)
+    assert check.status == WARN and "CUDA 12.3 torch wheel" in check.hint
 
 
 def test_nvcc_that_does_not_run_is_reported(tmp_path, driver):

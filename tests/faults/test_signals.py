@@ -66,6 +66,8 @@ def _signal_at(tmp_path: Path, ranks: int, offset: float, sig: int) -> None:
         if proc.returncode == 130:  # "ok" only where the run had finished before the signal came
             assert summary["status"] == "interrupted" or (summary["status"] == "ok" and len(lines) == 60), \
                 (offset, summary["status"], len(lines))
+        if summary["status"] == "interrupted":  # the console names the folder it marked
+            assert f"\nresults: {run}\n" in err, (offset, sig, err)
     if proc.returncode == 130 and not runs:
         assert not root.exists() or not any(root.rglob("*.json"))  # before the folder: nothing
     time.sleep(0.2)

@@ -61,8 +61,7 @@ class DeepSpeedVariant:
         moe, launch, train = config.moe, config.launch, config.train
         return (f"deepspeed: experts {list(config.experts_per_layer)}, top-{moe.top_k}, ep_size {moe.ep_size}, "
                 f"ZeRO {config.engine.zero_stage}; {launch.device}, {launch.world_size} rank(s) over "
-                f"{launch.comm_backend}; {train.total_steps // train.steps_per_epoch} epochs x "
-                f"{train.steps_per_epoch} steps (preset {config.preset})")
+                f"{launch.comm_backend}; {train.plan()} (preset {config.preset})")
 
     def report_lines(self, summary: dict) -> list[str]:
         test, routing, t = summary["test"], summary["routing"], summary["timings"]
