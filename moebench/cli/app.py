@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 import typer
 
@@ -12,6 +13,11 @@ from typer.core import TyperGroup
 
 from moebench import __version__, signals
 from moebench.errors import Interrupted, RunFailed, UserError
+
+PEER_REFUSAL_GRACE_S = 3.0
+"""A rank other than 0 that refuses bad input waits this long before exiting, so that rank 0,
+refusing the same input, prints its error first (torchrun stops every rank at the first exit, and
+rank 0 would otherwise print "interrupted" instead of the reason)."""
 
 
 class _Group(TyperGroup):
@@ -52,6 +58,8 @@ class _Group(TyperGroup):
         except UserError as exc:  # every rank of a launched job refuses the same input: rank 0 says it
             if _talks():
                 typer.echo(f"error: {exc}", err=True)
+            else:  # exit after rank 0, so that the launcher tears the job down once rank 0 has said why
+                time.sleep(PEER_REFUSAL_GRACE_S)
             raise typer.Exit(code=exc.exit_code) from None
         except RunFailed as exc:
             where = f"\nresults: {exc.run_path}" if exc.run_path else ""

@@ -110,3 +110,20 @@ def test_ctrl_c_names_the_run_folder_it_marked(tmp_path):
     assert proc.returncode == 130, err
     assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
     assert err.rstrip().endswith(f"results: {run}"), err
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("args,reason", [
+    (["run", "fastmoe", "-n", "4"], "error: --world-size: asks for 4 ranks, but this process is one rank of a "
+                                     "launched job of 2"),
+    (["bench", "--quick"], "error: bench times one process"),
+])
+def test_under_real_torchrun_a_refusal_is_said_once_by_rank_0(tmp_path, args, reason):
+    env = {**os.environ, "MOEBENCH_RESULTS": str(tmp_path / "results")}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "moebench", *args], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode != 0
+    both = out.stdout + out.stderr
+    assert both.count(reason) == 1, both
+    assert "interrupted" not in both, both  # the other rank did not speak
+    assert not (tmp_path / "results").exists()
