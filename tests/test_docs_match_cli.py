@@ -301,3 +301,73 @@ def test_the_record_fields_a_run_doc_names_exist(variant):
             if name not in keys:
                 wrong.append(f"{doc.name}:{number}: `{name}` is no field of config.json or summary.json")
     assert not wrong, "\n".join(wrong)
+
+
+LEAF_COMMANDS = [c for c in ("env-check", "verify-parity", "report", "bench", "runs", "run fastmoe", "run deepspeed")]
+BARE_TYPES = re.compile(r"<str>|<(?:int|float) range>")
+"""Typer's placeholders for an option without a metavar: they say nothing about the value."""
+
+
+def _help(command: str) -> str:
+    from typer.testing import CliRunner
+
+    out = CliRunner().invoke(app, [*command.split(), "--help"], terminal_width=80, env={"COLUMNS": "80"})
+    assert out.exit_code == 0, out.output
+    return out.output
+
+
+@pytest.mark.parametrize("command", LEAF_COMMANDS)
+def test_every_option_says_what_it_takes(command):
+    text = _help(command)
+    assert not BARE_TYPES.search(text), f"moebench {command} --help: {BARE_TYPES.findall(text)}"
+    silent = [p.opts[0] for p in commands()[command].params
+              if p.param_type_name == "option" and not p.hidden and not (p.help or "").strip()]
+    assert not silent, f"moebench {command}: no help for {silent}"
+
+
+def test_tolerance_lists_its_choices():
+    from moebench.parity.compare import TOLERANCE_MODES
+
+    option = options("verify-parity")["--tolerance"]
+    assert option.metavar == "|".join(TOLERANCE_MODES), option.metavar
+
+
+def test_bench_layer_kinds_is_not_runs_layers():
+    """`run --layers N` counts Transformer blocks; bench's list of layer kinds has its own name
+    (the old spelling still works, hidden)."""
+    bench = options("bench")
+    assert "--layer-kinds" in bench and "--ep-layer-kinds" in bench and "--layers" not in bench
+    assert "--layers" in options("bench", hidden=True)
+    assert "--layers" in options("run fastmoe") and "Transformer blocks" in options("run fastmoe")["--layers"].help
+
+
+def _examples(command: str) -> list[str]:
+    """The example command lines of a command's help (a trailing backslash continues a line)."""
+    epilog = commands()[command].epilog or ""
+    assert epilog.startswith("Examples:"), f"moebench {command} --help has no examples"
+    lines, pending = [], ""
+    for line in epilog.splitlines():
+        line = pending + line.strip()
+        pending = ""
+        if line.endswith("\\"):
+            pending = line[:-1]
+            continue
+        if line.startswith("moebench "):
+            lines.append(line)
+    assert lines, epilog
+    return lines
+
+
+@pytest.mark.parametrize("command", LEAF_COMMANDS)
+def test_every_command_has_examples_that_parse(command):
+    import shlex
+
+    cmd = commands()[command]
+    for example in _examples(command):
+        code = re.split(r"\s{2,}", example)[0].split(" > ")[0]  # without its description or a redirect
+        words = shlex.split(code)
+        assert " ".join(words[1:]).startswith(command), example
+        cmd.make_context(command, words[1 + len(command.split()):])  # a bad flag or value raises
+    examples = _help(command).split("Examples:", 1)[1].splitlines()
+    wide = [line for line in examples if len(line) > 80]
+    assert not wide, f"moebench {command} --help: examples wider than 80 columns: {wide}"

@@ -39,28 +39,42 @@ def _names(text: str, known: tuple[str, ...], flag: str) -> tuple[str, ...]:
     return names
 
 
-@app.command("bench")
+EXAMPLES = """Examples:
+
+\b
+  moebench bench --quick                  every section, small, under a minute
+  moebench bench --experts 8,32 --tokens 4096 --layer-kinds ideal,reference
+  moebench bench --train --preset quick   one training step, phase by phase"""
+
+
+@app.command("bench", epilog=EXAMPLES)
 def bench(
     quick: bool = typer.Option(False, "--quick", help="E 4,16; T 1024; k 2; d 256/1024; ranks 1,2; 1 repeat."),
-    experts: str = typer.Option("4,16,64", "--experts", help="Comma-separated expert counts."),
-    tokens: str = typer.Option("2048,8192", "--tokens", help="Comma-separated tokens per layer call (per rank)."),
-    top_k: str = typer.Option("2", "--top-k", help="Comma-separated k values."),
-    d_model: int = typer.Option(512, "--d-model", min=1),
-    d_hidden: int = typer.Option(2048, "--d-hidden", min=1),
-    world_size: str = typer.Option("1,2,4", "--world-size", "-n",
+    experts: str = typer.Option("4,16,64", "--experts", metavar="N,N,...", help="Comma-separated expert counts."),
+    tokens: str = typer.Option("2048,8192", "--tokens", metavar="N,N,...",
+                               help="Comma-separated tokens per layer call (per rank)."),
+    top_k: str = typer.Option("2", "--top-k", metavar="K,K,...", help="Comma-separated k values."),
+    d_model: int = typer.Option(512, "--d-model", min=1, metavar="N", help="Model width: each token's size."),
+    d_hidden: int = typer.Option(2048, "--d-hidden", min=1, metavar="N", help="Hidden width of each expert's MLP."),
+    world_size: str = typer.Option("1,2,4", "--world-size", "-n", metavar="N,N,...",
                                    help="Comma-separated rank counts for the expert-parallel layers."),
-    repeats: Optional[int] = typer.Option(None, "--repeats", min=1, help="Timed runs per layer [3; --quick 1]."),
-    warmup: int = typer.Option(1, "--warmup", min=0),
+    repeats: Optional[int] = typer.Option(None, "--repeats", min=1, metavar="N",
+                                          help="Timed runs per layer [3; --quick 1]."),
+    warmup: int = typer.Option(1, "--warmup", min=0, metavar="N", help="Untimed runs per layer before timing."),
     layers: str = typer.Option("ideal,dense,reference,reference-balanced,deepspeed-cf1,deepspeed-cf2,fmoe,grouped-mm",
-                               "--layers",
-                               help="Comma-separated one-process layers."),
-    ep_layers: str = typer.Option("reference-ep,deepspeed-ep-cf1", "--ep-layers",
-                                  help="Comma-separated expert-parallel layers ('none' to skip them)."),
+                               "--layer-kinds", metavar="KIND,...",
+                               help="Comma-separated one-process layer kinds to time (not `run`'s --layers, "
+                                    "a count of Transformer blocks)."),
+    layers_old: Optional[str] = typer.Option(None, "--layers", hidden=True, help="Old spelling of --layer-kinds."),
+    ep_layers: str = typer.Option("reference-ep,deepspeed-ep-cf1", "--ep-layer-kinds", metavar="KIND,...|none",
+                                  help="Comma-separated expert-parallel layer kinds ('none' to skip them)."),
+    ep_layers_old: Optional[str] = typer.Option(None, "--ep-layers", hidden=True,
+                                                help="Old spelling of --ep-layer-kinds."),
     comm: bool = typer.Option(False, "--comm", help="Also time the all-to-all exchange alone (gloo; NCCL too "
                               "where every rank has a GPU)."),
     train: bool = typer.Option(False, "--train", help="Instead of the layer sweep: one training step of each "
                                "variant's --preset, phase by phase, against FLOP and bandwidth bounds."),
-    preset: str = typer.Option("chapter", "--preset", help="The preset --train times."),
+    preset: str = typer.Option("chapter", "--preset", metavar="NAME", help="The preset --train times."),
     no_profile: bool = typer.Option(False, "--no-profile", help="Skip the torch.profiler breakdowns."),
     timeout: float = typer.Option(900.0, "--timeout", metavar="SECONDS",
                                   help="Hang deadline of each multi-rank launch: hung ranks are dumped and killed."),
@@ -85,8 +99,13 @@ def bench(
     require_positive({"--timeout": timeout})
     if not preset.strip():
         raise UserError("must name a preset, e.g. chapter", flag="--preset")
-    names = _names(layers, core.LAYERS, "--layers")
-    ep_names = () if ep_layers.strip().lower() == "none" else _names(ep_layers, EP_LAYERS, "--ep-layers")
+    kinds_flag, ep_flag = "--layer-kinds", "--ep-layer-kinds"
+    if layers_old is not None:  # an error names the spelling the user typed
+        layers, kinds_flag = layers_old, "--layers"
+    if ep_layers_old is not None:
+        ep_layers, ep_flag = ep_layers_old, "--ep-layers"
+    names = _names(layers, core.LAYERS, kinds_flag)
+    ep_names = () if ep_layers.strip().lower() == "none" else _names(ep_layers, EP_LAYERS, ep_flag)
     worlds = _ints(world_size, "--world-size")
     for w in worlds:
         require_world_size(w)

@@ -16,7 +16,15 @@ MAX_PROBE_TIMEOUT_S = 3600.0
 REPORT_FILE = "envcheck.json"
 
 
-@app.command("env-check")
+EXAMPLES = """Examples:
+
+\b
+  moebench env-check                       every item, a live 2-rank probe
+  moebench env-check --strict --no-probe   a warning fails too; no probe
+  moebench env-check --json > env.json"""
+
+
+@app.command("env-check", epilog=EXAMPLES)
 def env_check(
     as_json: bool = flags.shared_option("as_json"),
     no_probe: bool = typer.Option(False, "--no-probe", help="Skip the live collective probe (2 local ranks)."),

@@ -93,7 +93,17 @@ def _print_table(summary: dict) -> None:
                       "is not asserted at all), so an all-zero result would pass.[/]")
 
 
-@app.command("verify-parity")
+EXAMPLES = """Examples:
+
+\b
+  moebench verify-parity -n 4            every check on 4 local ranks
+  moebench verify-parity -n 2 --checks ddp-sgd,experts
+  moebench verify-parity -n 9 --checks experts --tolerance seed \\
+      --impl experts=soft_moe_pytorch.soft_moe:Experts
+  moebench verify-parity --list"""
+
+
+@app.command("verify-parity", epilog=EXAMPLES)
 def verify_parity(
     world_size: int = flags.shared_option("world_size", 4),
     checks: Optional[str] = typer.Option(
@@ -106,7 +116,9 @@ def verify_parity(
         None, "--backend", hidden=True, case_sensitive=False, help="Old spelling of --comm-backend."
     ),
     tolerance: str = typer.Option(
-        "strict", "--tolerance", help="strict (relative to magnitude) or seed (the seeds' own)."
+        "strict", "--tolerance", metavar="strict|seed",
+        help="strict: relative to the magnitude compared, with an absolute floor; seed: each seed's own "
+             "assertions, exactly (docs/verify-parity.md).",
     ),
     impl: List[str] = typer.Option(
         [],

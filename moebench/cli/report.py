@@ -12,7 +12,15 @@ from moebench.cli import flags
 app = typer.Typer()
 
 
-@app.command("report")
+EXAMPLES = """Examples:
+
+\b
+  moebench report                        the latest run of each kind
+  moebench report --since 20261123-150405
+  moebench report results/fastmoe/<run-id> results/fastmoe/<run-id>"""
+
+
+@app.command("report", epilog=EXAMPLES)
 def report(
     runs: Optional[List[str]] = typer.Argument(
         None, metavar="RUN",

@@ -101,5 +101,16 @@ def _print_report(variant, summary: dict, run_path) -> None:
     console.print(f"results: {run_path}")
 
 
+def _examples(variant: variants.Variant) -> str:
+    """The help's examples: the default run, the other presets, two ranks (from the registry)."""
+    name, default = variant.name, variant.default_preset
+    others = [p for p in config_tree.preset_names(name) if p != default]
+    lines = [(f"moebench run {name}", f"the {default} preset")]
+    lines += [(f"moebench run {name} --preset {p}", "") for p in others]
+    lines += [(f"moebench run {name} -n 2 --steps 20", "two local ranks, 20 steps")]
+    lines += [(f"moebench run {name} --show-config", "the resolved config; runs nothing")]
+    return "Examples:\n\n\b\n" + "\n".join(f"  {cmd:<40} {what}".rstrip() for cmd, what in lines)
+
+
 for _variant in variants.VARIANTS:
-    app.command(_variant.name, help=_variant.description)(_command(_variant))
+    app.command(_variant.name, help=_variant.description, epilog=_examples(_variant))(_command(_variant))

@@ -13,7 +13,14 @@ from moebench.cli import flags
 app = typer.Typer()
 
 
-@app.command("runs")
+EXAMPLES = """Examples:
+
+\b
+  moebench runs
+  moebench runs --kind fastmoe --json"""
+
+
+@app.command("runs", epilog=EXAMPLES)
 def runs(
     kind: Optional[str] = typer.Option(None, "--kind", metavar="KIND",
                                        help="Only this kind (fastmoe, deepspeed, parity, env, ...)."),

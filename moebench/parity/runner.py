@@ -65,7 +65,8 @@ class ParityConfig:
             raise UserError(f"must be a positive number of seconds, got {self.timeout_s}", flag="--timeout")
         require_choice(self.comm_backend, COMM_BACKENDS, "--comm-backend")
         if self.comm_backend == "nccl" and not torch.cuda.is_available():
-            raise UserError("nccl needs CUDA GPUs and none is visible; use --backend gloo", flag="--backend")
+            raise UserError("nccl needs CUDA GPUs and none is visible; use --comm-backend gloo (or auto)",
+                            flag="--comm-backend")
         if self.tolerance not in TOLERANCE_MODES:
             raise UserError(f"must be one of {', '.join(TOLERANCE_MODES)}, got {self.tolerance!r}", flag="--tolerance")
         require_seed(self.seed)

@@ -127,3 +127,16 @@ def test_under_real_torchrun_a_refusal_is_said_once_by_rank_0(tmp_path, args, re
     assert both.count(reason) == 1, both
     assert "interrupted" not in both, both  # the other rank did not speak
     assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("spelling", ["--comm-backend", "--backend"])
+def test_verify_parity_nccl_without_cuda_names_the_flag_as_it_is_spelled_today(tmp_path, spelling):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is visible: nccl is accepted here")
+    out = _cli("verify-parity", "-n", "2", spelling, "nccl", "--results-dir", str(tmp_path))
+    assert out.returncode == 2
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("error: --comm-backend: nccl needs CUDA") and "use --comm-backend gloo" in line, line
+    assert "--backend " not in line
