@@ -371,3 +371,28 @@ def test_every_command_has_examples_that_parse(command):
     examples = _help(command).split("Examples:", 1)[1].splitlines()
     wide = [line for line in examples if len(line) > 80]
     assert not wide, f"moebench {command} --help: examples wider than 80 columns: {wide}"
+
+
+def test_run_fastmoe_deadlines_quoted_are_the_configs():
+    """run-fastmoe.md: "max(1800, steps x weights x 6e-7) seconds: 1800 s for the quick preset, 4.5
+    hours for the chapter preset's 100 steps, ... 1000 steps of the chapter model get 45 hours"."""
+    from moebench.variants.fastmoe import config as fastmoe_config
+
+    text = " ".join((ROOT / "docs" / "run-fastmoe.md").read_text().split())
+    formula = re.search(r"max\((\d+), steps x weights x ([\d.e-]+)\) seconds: (\d+) s for the quick preset, "
+                        r"([\d.]+) hours for the chapter preset's (\d+) steps", text)
+    assert formula, "run-fastmoe.md no longer states the deadline formula"
+    floor, rate, quick_s, chapter_h, chapter_steps = formula.groups()
+    assert float(floor) == fastmoe_config.HANG_DEADLINE_FLOOR_S
+    assert float(rate) == fastmoe_config.DEADLINE_S_PER_WEIGHT_STEP
+    variant = variants.by_name("fastmoe")
+    quick = variants.resolve_config(variant, "quick", {})
+    chapter = variants.resolve_config(variant, "chapter", {})
+    assert quick.default_timeout_s == float(quick_s)
+    assert chapter.train.total_steps == int(chapter_steps)
+    assert round(chapter.default_timeout_s / 3600, 1) == float(chapter_h)
+    longer = re.search(r"(\d+) steps of the chapter model get (\d+) hours", text)
+    assert longer, "run-fastmoe.md no longer gives the longer run's deadline"
+    steps, hours = map(int, longer.groups())
+    long_run = variants.resolve_config(variant, "chapter", {("train", "steps"): steps})
+    assert round(long_run.default_timeout_s / 3600) == hours
