@@ -141,3 +141,22 @@ def test_published_figures_are_shown_in_english_units():
         for text in (fig.label, fig.section, fig.unit, claims.format_published(fig.value, fig.unit)):
             assert not any(_is_cjk(ch) for ch in text), f"{fig.key}: {text!r}"
     assert any(fig.section.endswith("≈ 273 M") for fig in published.FASTMOE)
+
+
+@pytest.mark.parametrize("kind", ["fastmoe", "deepspeed"])
+def test_a_chapter_config_is_compared_and_a_seed_or_ep_size_does_not_change_that(kind):
+    from moebench import config as config_tree
+    from moebench import train, variants
+
+    variant = variants.by_name(kind)
+    summary = {"params": {"total": 273e6, "by_category": {}}, "loss": {"first": 2.0, "last": 1.1, "drop_pct": 45.0},
+               "epoch_loss": [1.78, 1.5, 1.3, 1.1, 1.0], "test": {"input_shape": [32, 8, 512],
+                                                                   "output_shape": [32, 8, 512]}}
+    for overrides in ({}, {("train", "seed"): 7}):
+        record = config_tree.as_dict(variants.resolve_config(variant, "chapter", overrides))
+        out = train.with_comparison(summary, variant.published, kind=kind, config=record)
+        assert out["chapter_comparable"] is True and "chapter_note" not in out
+        assert any(r["verdict"] != claims.NOT_RUN for r in out["chapter_comparison"])
+    record = config_tree.as_dict(variants.resolve_config(variant, "chapter", {("train", "lr"): 0.5}))
+    out = train.with_comparison(summary, variant.published, kind=kind, config=record)
+    assert out["chapter_comparable"] is False and "lr 0.5 (chapter 0.001)" in out["chapter_note"]
