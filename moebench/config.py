@@ -103,6 +103,18 @@ def require_world_size(world_size: object) -> None:
                         "moebench under torchrun on several machines", flag="--world-size")
 
 
+def require_launched_world(asked: int | None) -> None:
+    """Under torchrun (or the deepspeed launcher) the job's WORLD_SIZE is the world size: a
+    --world-size that says otherwise is refused, never silently replaced."""
+    from moebench.distributed.env import launched_world_size
+
+    launched = launched_world_size()
+    if asked is not None and asked != launched:
+        raise UserError(f"asks for {asked} ranks, but this process is one rank of a launched job of {launched} "
+                        f"(WORLD_SIZE={launched}, set by torchrun or the deepspeed launcher); drop --world-size, "
+                        f"or launch {asked} ranks (torchrun --nproc-per-node {asked} ...)", flag="--world-size")
+
+
 # --------------------------------------------------------------------------- the shared sub-configs
 
 

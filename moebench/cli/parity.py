@@ -105,6 +105,7 @@ EXAMPLES = """Examples:
 
 @app.command("verify-parity", epilog=EXAMPLES)
 def verify_parity(
+    ctx: typer.Context,
     world_size: int = flags.shared_option("world_size", 4),
     checks: Optional[str] = typer.Option(
         None, "--checks", metavar="NAMES", help="Comma-separated check names (default: all; see --list)."
@@ -140,13 +141,17 @@ def verify_parity(
         return
     import contextlib
 
+    from moebench.config import require_launched_world
     from moebench.console import stdout_to_stderr
+    from moebench.distributed.env import is_launched_rank
     from moebench.parity.registry import parse_impls
     from moebench.parity.runner import ParityConfig
     from moebench.parity.runner import verify_parity as run
     from moebench.results import check_root
 
     check_root(results_dir, "parity")
+    if is_launched_rank() and ctx.get_parameter_source("world_size").name == "COMMANDLINE":
+        require_launched_world(world_size)  # torchrun's WORLD_SIZE decides: a flag saying otherwise is refused
     names = tuple(n.strip() for n in checks.split(",") if n.strip()) if checks is not None else ()
     if checks is not None and not names:
         raise UserError("names no check; give check names (see --list) or leave the flag out", flag="--checks")

@@ -15,7 +15,6 @@ from typing import Any, Callable, Protocol
 
 from moebench import config as config_tree
 from moebench.distributed.env import is_launched_rank, launched_world_size
-from moebench.errors import UserError
 
 
 class Variant(Protocol):
@@ -62,7 +61,7 @@ def resolve_config(variant: Variant, preset: str | None, overrides: dict[tuple[s
     this machine. Under torchrun the launcher's WORLD_SIZE decides the world size."""
     explicit = {path: value for path, value in overrides.items() if value is not None}
     if is_launched_rank():
-        require_launched_world(explicit.get(("launch", "world_size")))
+        config_tree.require_launched_world(explicit.get(("launch", "world_size")))
         explicit[("launch", "world_size")] = launched_world_size()
     preset = variant.default_preset if preset is None else preset  # "" is bad input, not the default
     config = config_tree.resolve(variant.config_cls, variant.name, preset, explicit)
@@ -70,16 +69,6 @@ def resolve_config(variant: Variant, preset: str | None, overrides: dict[tuple[s
     if from_files:
         config = config_tree.resolve(variant.config_cls, variant.name, preset, {**from_files, **explicit})
     return variant.prepare(config)
-
-
-def require_launched_world(asked: int | None) -> None:
-    """Under torchrun (or the deepspeed launcher) the job's WORLD_SIZE is the world size: a
-    --world-size that says otherwise is refused, never silently replaced."""
-    launched = launched_world_size()
-    if asked is not None and asked != launched:
-        raise UserError(f"asks for {asked} ranks, but this process is one rank of a launched job of {launched} "
-                        f"(WORLD_SIZE={launched}, set by torchrun or the deepspeed launcher); drop --world-size, "
-                        f"or launch {asked} ranks (torchrun --nproc-per-node {asked} ...)", flag="--world-size")
 
 
 def _registry() -> tuple[Variant, ...]:

@@ -60,15 +60,17 @@ def test_makefile_run_all_comment_names_the_presets_it_runs():
 LAUNCHED = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
 
 
-def test_a_world_size_that_contradicts_the_launcher_is_refused(tmp_path):
-    out = _cli("run", "fastmoe", "-n", "4", "--results-dir", str(tmp_path), env=LAUNCHED)
+@pytest.mark.parametrize("command", [["run", "fastmoe"], ["run", "deepspeed"],
+                                     ["verify-parity", "--checks", "ddp-sgd"]])
+def test_a_world_size_that_contradicts_the_launcher_is_refused(tmp_path, command):
+    out = _cli(*command, "-n", "4", "--results-dir", str(tmp_path), env=LAUNCHED)
     assert out.returncode == 2, out.stderr
     (line,) = out.stderr.strip().splitlines()
     assert line.startswith("error: --world-size: asks for 4 ranks") and "job of 2" in line, line
     assert "--nproc-per-node 4" in line
-    assert not (tmp_path / "fastmoe").exists()
+    assert not any(tmp_path.iterdir())
     # the other rank refuses too, silently: rank 0 speaks for the job
-    quiet = _cli("run", "fastmoe", "-n", "4", "--results-dir", str(tmp_path), env={**LAUNCHED, "RANK": "1"})
+    quiet = _cli(*command, "-n", "4", "--results-dir", str(tmp_path), env={**LAUNCHED, "RANK": "1"})
     assert quiet.returncode == 2 and quiet.stderr == "", quiet.stderr
 
 
