@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from moebench.report.claims import DIFFERS, NOT_RUN, REPRODUCED, format_number, format_published
 
 STYLE = {REPRODUCED: "green", DIFFERS: "red", NOT_RUN: "yellow"}
@@ -41,5 +43,8 @@ def not_run_reasons(rows: list[dict]) -> list[str]:
             continue
         seen.add(r["reason"])
         first, *rest = note_lines(r["reason"])
+        command = re.fullmatch(r"(.*): run `([^`]+)`", first) if not rest else None
+        if command:  # the command on its own line: folded at the terminal's width it could not be copied
+            first, rest = command.group(1), [f"run: {command.group(2)}"]
         lines += [f"{r['variant']}: {first}", *("  " + line for line in rest)]
     return lines

@@ -71,6 +71,7 @@ def test_report_gives_the_reason_once_and_short(quick_runs, tmp_path):
         assert "None" not in reason and f"moebench run {kind} --preset chapter" in reason, reason
         assert report_md.count(reason) == 1, f"{kind}: the reason is repeated in REPORT.md's verdict table"
         assert out.stdout.count(f"{kind}: not comparable") == 1, out.stdout  # the console says it once too
+    assert "\n  run: moebench verify-parity --world-size 4\n" in out.stdout  # a command whole, on its own line
     assert "(chapter None)" not in report_md
     assert "steps 4 (chapter unset)" in report_md  # the whole list, once, in the fastmoe section
 
