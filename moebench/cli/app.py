@@ -10,7 +10,7 @@ import typer
 from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
 from typer.core import TyperGroup
 
-from moebench import __version__, signals
+from moebench import __version__, bounds, signals
 from moebench.errors import RunFailed, UserError
 
 
@@ -23,7 +23,12 @@ class _Group(TyperGroup):
     """
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        args = list(sys.argv[1:] if args is None else args)
+        bounds.remember_argv(args)  # a refusal names the spelling typed (-n or --world-size)
         try:
+            if "--version" in args and args[0].startswith("-") and len(args) > 1:  # `moebench --version extra`
+                raise UsageError(f"--version: takes no other argument, got "
+                                 f"{' '.join(a for a in args if a != '--version')[:60]!r}")
             rv = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
                               standalone_mode=False, **extra)
             code = rv if isinstance(rv, int) else 0

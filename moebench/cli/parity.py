@@ -7,11 +7,28 @@ from typing import List, Optional
 
 import typer
 
+from moebench.bounds import Items, Name, Text
 from moebench.cli import flags
 from moebench.distributed.env import is_printer as _is_printer
 from moebench.errors import UserError
 
 app = typer.Typer()
+
+TOLERANCES = ("strict", "seed")
+
+
+def _check_names() -> list[str]:
+    from moebench.parity.registry import all_checks
+
+    return [c.name for c in all_checks()]
+
+
+BOUNDS = {
+    "--checks": Items(item=Name(what="check", choices=_check_names), example="experts"),
+    "--tolerance": Name(what="tolerance", choices=lambda: list(TOLERANCES)),
+    "--impl": Text(what="KEY=package.module:attribute", pattern=r"[a-z-]+=[A-Za-z_][\w.]*:[A-Za-z_][\w.]*"),
+}
+"""verify-parity's own valued options (the shared ones carry their config field's bound)."""
 
 
 def _list(as_json: bool) -> None:
@@ -96,8 +113,9 @@ def _print_table(summary: dict) -> None:
 @app.command("verify-parity")
 def verify_parity(
     world_size: int = flags.shared_option("world_size", 4),
-    checks: Optional[str] = typer.Option(
-        None, "--checks", metavar="NAMES", help="Comma-separated check names (default: all; see --list)."
+    checks: Optional[str] = flags.bounded_option(
+        None, "--checks", bound=BOUNDS["--checks"], metavar="NAMES",
+        help="Comma-separated check names (default: all; see --list)."
     ),
     list_checks: bool = flags.shared_option("list_names"),
     timeout: float = flags.shared_option("timeout_s", 120.0),
@@ -105,12 +123,14 @@ def verify_parity(
     backend_old: flags.annotation(flags.SHARED_FIELDS["comm_backend"]) = typer.Option(
         None, "--backend", hidden=True, case_sensitive=False, help="Old spelling of --comm-backend."
     ),
-    tolerance: str = typer.Option(
-        "strict", "--tolerance", help="strict (relative to magnitude) or seed (the seeds' own)."
+    tolerance: str = flags.bounded_option(
+        "strict", "--tolerance", bound=BOUNDS["--tolerance"], metavar="strict|seed",
+        help="strict (relative to magnitude) or seed (the seeds' own)."
     ),
-    impl: List[str] = typer.Option(
+    impl: List[str] = flags.bounded_option(
         [],
         "--impl",
+        bound=BOUNDS["--impl"],
         metavar="KEY=MOD:ATTR",
         help="Verify your code: KEY all-gather, experts, ddp, replicate, moe, moe-sync or switch-gate "
         "(repeatable; contracts: docs/verify-parity.md).",
