@@ -46,13 +46,14 @@ def remember_argv(args: list[str]) -> None:
 
 
 def typed_flag(names: tuple[str, ...] | list[str]) -> str:
-    """The spelling of a flag the user typed (`-n` or `--world-size`), else its first long name."""
+    """The flag as the user typed it: `--world-size`, or `-n/--world-size` when the short form was typed."""
+    longs = [n for n in names if n.startswith("--")]
+    long = (longs or list(names) or ["?"])[0]
     for token in _argv:
         for name in names:
             if token == name or (name.startswith("--") and token.startswith(name + "=")):
-                return name
-    longs = [n for n in names if n.startswith("--")]
-    return (longs or list(names) or ["?"])[0]
+                return name if name == long else f"{name}/{long}"
+    return long
 
 
 def _shown(value: float) -> str:
@@ -82,6 +83,9 @@ class Number:
     """nan is a valid value (no option allows it today)."""
     why: str = ""
     """Where the maximum comes from: printed in the refusal."""
+    refusal: str = ""
+    """The refusal of a value out of range, when a plain "must be from a to b" would say too little
+    ("{value}" is replaced by the value)."""
     kind = "number"
 
     def __post_init__(self) -> None:
@@ -109,11 +113,15 @@ class Number:
             return f"must be a whole number, got {value!r}"
         if isinstance(value, float):
             if math.isnan(value):
-                return "" if self.allow_nan else "must be a number, got nan"
+                return "" if self.allow_nan else "must be finite, got nan"
             if math.isinf(value) and not self.allow_inf:
                 return f"must be finite, got {value}"
         low = _shown(self.min)
         high = "" if self.max is None else _shown(self.max)
+        out_of_range = (value <= self.min if self.above else value < self.min) or (
+            self.max is not None and value > self.max)
+        if out_of_range and self.refusal:
+            return self.refusal.format(value=_shown(value))
         span = f"from {low} to {high}" if high else f"at least {low}"
         if self.above and not value > self.min:
             return f"must be > {low}{f' and <= {high}' if high else ''}, got {_shown(value)}"
@@ -269,10 +277,10 @@ class Items:
             try:
                 item = self.item.parse(part)
             except ValueError as exc:
-                return f"item {exc}"
+                return f"{exc}; give a comma list like {self.example}"
             reason = self.item.problem(item)
             if reason:
-                return f"item {reason}"
+                return f"{reason} (in a comma list like {self.example})"
             key = item.lower() if isinstance(item, str) else item
             if self.unique and key in seen:
                 return f"gives {part} twice; give each once"

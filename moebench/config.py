@@ -128,7 +128,8 @@ def require_choice(value: object, choices: tuple[str, ...], name: str) -> None:
         raise UserError(f"unknown value {value!r}; use one of {', '.join(choices)}", flag=name)
 
 
-SEED_BOUND = Number(integer=True, min=0, max=SEED_LIMIT - 1, why="2**63-1: torch seeds are 64-bit")
+SEED_BOUND = Number(integer=True, min=0, max=SEED_LIMIT - 1,
+                    refusal=f"must be an integer from 0 to 2**63-1 ({SEED_LIMIT - 1}), got {{value}}")
 """Seeds: 0 is a seed like any other."""
 
 

@@ -111,8 +111,9 @@ class DeepSpeedMoEConfig:
 class EngineConfig:
     """deepspeed.initialize: ZeRO, a user's DeepSpeed JSON, and whether JIT-built ops may run."""
 
-    zero_stage: int = dataclasses.field(metadata=bounded(Number(integer=True, min=0, max=3,
-                                                                why="DeepSpeed's stages; 3 is refused below")))
+    zero_stage: int = dataclasses.field(metadata=bounded(Number(
+        integer=True, min=0, max=3, refusal="unknown ZeRO stage {value} (DeepSpeed has stages 0-3); "
+        "use --zero-stage 0, 1 or 2")))
     """deepspeed variant: ZeRO stage 0, 1 or 2 (DeepSpeed's MoE has no stage 3)."""
     ds_config: str | None = dataclasses.field(default=None, metadata=flag(
         metavar="FILE", bound=bounds.Path(folder=False, must_exist=True)))
