@@ -242,7 +242,8 @@ class LaunchConfig:
     """Collective backend: auto (NCCL on CUDA ranks, else gloo), gloo or nccl."""
     timeout_s: float | None = dataclasses.field(default=None, metadata=flag("--timeout", metavar="SECONDS",
                                                                              bound=TIMEOUT_BOUND))
-    """Hang deadline: hung ranks are dumped and killed then (run: default from its size; verify-parity: per check)."""
+    """Hang deadline, at most 604800 s (7 days): hung ranks are dumped and killed then (run: default from its
+    size; verify-parity: per check)."""
 
     def __post_init__(self) -> None:
         if not is_launched_rank():  # under torchrun its WORLD_SIZE decides, whatever its size
