@@ -328,12 +328,26 @@ def check_fields(obj: Any) -> None:
         check(bound, value, flag)
 
 
+_spellings: dict[str, tuple[str, ...]] = {}
+"""Every spelling of each bounded option, by its long name (filled as the options are defined)."""
+
+
+def as_typed(flag: str | None) -> str | None:
+    """`flag` (a long name a refusal names) as the user typed it: `-n/--world-size` after `-n 3`."""
+    return typed_flag(_spellings[flag]) if flag in _spellings else flag
+
+
 @dataclasses.dataclass(frozen=True)
 class Parser:
     """The CLI side of a bound: Typer's `parser=` for one option, naming the spelling typed."""
 
     bound: Bound
     names: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        longs = [n for n in self.names if n.startswith("--")]
+        if longs:
+            _spellings.setdefault(longs[0], self.names)
 
     def __call__(self, value: Any) -> Any:
         return check(self.bound, value, typed_flag(self.names))

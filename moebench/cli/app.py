@@ -55,7 +55,10 @@ class _Group(TyperGroup):
         try:
             return super().invoke(ctx)
         except UserError as exc:
-            typer.echo(f"error: {exc}", err=True)
+            text, typed = str(exc), bounds.as_typed(exc.flag)
+            if exc.flag and typed != exc.flag and text.startswith(f"{exc.flag}: "):  # `-n 3` -> -n/--world-size
+                text = f"{typed}: {text[len(exc.flag) + 2:]}"
+            typer.echo(f"error: {text}", err=True)
             raise typer.Exit(code=exc.exit_code) from None
         except RunFailed as exc:
             where = f"\nresults: {exc.run_path}" if exc.run_path else ""

@@ -48,7 +48,10 @@ def leaf_option(spec: config_tree.FieldSpec, *, value: Any = None, shown: Any = 
     elif spec.meta.get("metavar"):
         extra["metavar"] = spec.meta["metavar"]
     if spec.meta.get("bound") is not None:  # read through the field's bound: refused before any work
-        extra["parser"] = bounds.Parser(spec.meta["bound"], tuple(n for n in names if "/" not in n))
+        spellings = [n for n in names if "/" not in n] + [n for n in (spec.name, *spec.meta.get("aliases", ()))
+                                                            if n not in names]
+        spellings.sort(key=lambda n: n != spec.name)  # the field's own name first: the one a refusal shows
+        extra["parser"] = bounds.Parser(spec.meta["bound"], tuple(spellings))
     help_text = f"Old spelling of {spec.name}." if hidden else spec.help
     return typer.Option(value, *names, help=help_text, show_default=_shown(shown if value is None else value),
                         hidden=hidden, **extra)
