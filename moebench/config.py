@@ -210,9 +210,6 @@ class TrainConfig:
             raise UserError(f"must be >= 0, got {self.aux_loss_coef}", flag="--aux-loss-coef")
         require_seed(self.seed)
         bounds.check_fields(self)
-        if self.steps is None and self.total_steps > MAX_STEPS:
-            raise UserError(f"{self.epochs} epochs x {self.steps_per_epoch} steps is over {MAX_STEPS} steps; "
-                            "lower --epochs (or give --steps)", flag="--epochs")
         if self.samples < self.batch_size:
             raise UserError(f"{self.samples} samples do not fill one global batch of {self.batch_size}; "
                             f"use --samples >= {self.batch_size} (or a smaller --batch-size)", flag="--samples")

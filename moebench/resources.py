@@ -137,8 +137,15 @@ def require_work(seconds: float, *, force: bool = False, given: set[str] = froze
 
 def require_runnable(config, *, force: bool = False, given: set[str] = frozenset()) -> None:
     """Memory and work, both before anything is created (run, and --show-config alike)."""
+    from moebench.config import MAX_STEPS
+
+    train = config.train
+    default = "--steps" if train.steps is not None else "--epochs"
+    if train.total_steps > MAX_STEPS:  # --steps has this bound alone; epochs x steps per epoch has it too
+        flag = blamed("work", given, default)
+        raise UserError(f"{train.epochs} epochs x {train.steps_per_epoch} steps is over {MAX_STEPS:,} steps; "
+                        f"lower {flag} (or give --steps)", flag=flag)
     require_fits(config, force=force, given=given)
-    default = "--steps" if config.train.steps is not None else "--epochs"
     require_work(work_seconds(config), force=force, given=given, default=default)
 
 

@@ -125,6 +125,23 @@ def test_every_option_declares_its_bounds():
     assert not undeclared, f"options without a declared bound (moebench.bounds): {undeclared}"
 
 
+def test_an_undeclared_option_is_caught():
+    """The check above can fail: a plain option is "none"; the same option with a bound is not."""
+    import typer
+
+    from moebench.cli import flags
+
+    probe = typer.Typer(add_completion=False)
+
+    @probe.command()
+    def cmd(plain: str = typer.Option("", "--plain"), count: int = flags.bounded_option(
+            1, "--count", bound=bounds.Number(integer=True, min=1, max=9)), on: bool = typer.Option(False, "--on")):
+        """probe"""
+
+    kinds = {p.opts[0]: _kind(p)[0] for p in typer.main.get_command(probe).params}
+    assert kinds == {"--plain": "none", "--count": "bound", "--on": "flag"}
+
+
 def test_every_bound_refuses_the_values_no_option_takes(tmp_path):
     """Whatever an option accepts, none takes an empty value, 5000 characters or a newline; no number
     takes 1e308, a 23-digit integer, nan or a word (a Number bound without a max says why)."""
