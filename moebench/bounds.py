@@ -57,8 +57,11 @@ def typed_flag(names: tuple[str, ...] | list[str]) -> str:
 
 
 def _shown(value: float) -> str:
+    """A number as a refusal quotes it: whole, or compact when huge (1e+23, not 23 digits)."""
     if isinstance(value, float) and value.is_integer() and abs(value) < 1e16:
         return str(int(value))
+    if isinstance(value, int) and abs(value) >= 10**16:
+        return f"{value:.3g}"
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
@@ -145,6 +148,8 @@ class Name:
     """The names that exist, when they are known before the command runs (else any name)."""
     what: str = "name"
     """What the name is, for the refusal."""
+    listed_by: str = ""
+    """The command that lists the choices, named instead of a long list of them."""
     hint: str = "letters, digits, '_', '.', '-'"
     """What `pattern` allows, in words."""
     kind = "name"
@@ -162,7 +167,10 @@ class Name:
         if self.choices is not None:
             known = self.choices()
             if value not in known:
-                return f"unknown {self.what} {value!r}; use one of {', '.join(known) or 'none'}"
+                choices = ", ".join(known) or "none"
+                if self.listed_by and len(choices) > 40:
+                    return f"unknown {self.what} {value!r}; `{self.listed_by}` lists them"
+                return f"unknown {self.what} {value!r}; use one of {choices}"
         return ""
 
 
@@ -209,13 +217,13 @@ class Path:
             return "is empty; pass a path"
         text = str(value)
         if any(ord(c) < 32 or ord(c) == 127 for c in text):
-            return f"{text[:40]!r} holds a control character (a newline?); pass a plain path"
+            return f"{text[:40]!r} holds a control character (a newline?)"
         encoded = os.fsencode(text)
         if len(encoded) > PATH_MAX_BYTES:
             return f"is {len(encoded)} bytes long; a path is at most {PATH_MAX_BYTES} (PATH_MAX)"
         longest = max((len(part) for part in encoded.split(b"/")), default=0)
         if longest > NAME_MAX_BYTES:
-            return f"has a {longest}-byte name in it; a file or folder name is at most {NAME_MAX_BYTES} (NAME_MAX)"
+            return f"has a {longest}-byte name; a name is at most {NAME_MAX_BYTES} bytes (NAME_MAX)"
         target = os.path.abspath(text)
         if os.path.exists(target):
             if self.folder and not os.path.isdir(target):
@@ -228,7 +236,7 @@ class Path:
         while not os.path.exists(folder) and folder != os.path.dirname(folder):
             folder = os.path.dirname(folder)
         if folder != target and not os.path.isdir(folder):
-            return f"{text} cannot exist: {folder} is not a folder"
+            return f"cannot exist: {folder} is a file"
         if self.writable:
             if not os.access(folder, os.W_OK | os.X_OK):
                 return f"cannot create {text}: {folder} is not writable; pass a writable folder"
@@ -280,7 +288,7 @@ class Items:
                 return f"{exc}; give a comma list like {self.example}"
             reason = self.item.problem(item)
             if reason:
-                return f"{reason} (in a comma list like {self.example})"
+                return reason if isinstance(self.item, Name) else f"{reason} (in a comma list like {self.example})"
             key = item.lower() if isinstance(item, str) else item
             if self.unique and key in seen:
                 return f"gives {part} twice; give each once"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 
 import typer
@@ -37,7 +38,8 @@ class _Group(TyperGroup):
             code = exc.exit_code
         except UsageError as exc:
             where = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx else ""
-            typer.echo(f"error: {exc.format_message()}{where}", err=True)
+            message = re.sub(r"'([^']{40})[^']{8,}'", r"'\1...'", exc.format_message())  # a 5000-char value: cut
+            typer.echo(f"error: {message}{where}", err=True)
             code = exc.exit_code
         except ClickException as exc:
             exc.show()

@@ -24,7 +24,8 @@ def _check_names() -> list[str]:
 
 
 BOUNDS = {
-    "--checks": Items(item=Name(what="check", choices=_check_names), example="experts"),
+    "--checks": Items(item=Name(what="check", choices=_check_names,
+                                 listed_by="moebench verify-parity --list"), example="experts"),
     "--tolerance": Name(what="tolerance", choices=lambda: list(TOLERANCES)),
     "--impl": Text(what="KEY=package.module:attribute", pattern=r"[a-z-]+=[A-Za-z_][\w.]*:[A-Za-z_][\w.]*"),
 }
