@@ -187,3 +187,16 @@ def require_bench_fits(points, *, layers: int, ep_layers: int, world_sizes: list
                         f"lower {flag} or add --force", flag=flag)
     require_work(need["seconds"], force=force, given=given, default="--experts", what="this sweep")
     return need
+
+
+def require_ranks_fit(world_size: int, *, available: int | None = None) -> int:
+    """UserError naming --world-size when `world_size` local ranks (a process with torch each) cannot
+    fit in the available memory: checked before any rank starts (verify-parity's checks are small)."""
+    local = local_world_size(world_size)
+    need = local * PROCESS_BYTES
+    have = available_bytes() if available is None else available
+    if need > have:
+        gib = 1024**3
+        raise UserError(f"{local} local ranks need ~{need / gib:.1f} GiB ({PROCESS_BYTES // 1024**2} MB each with "
+                        f"torch) and {have / gib:.1f} GiB is available; lower it", flag="--world-size")
+    return need

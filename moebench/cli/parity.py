@@ -155,7 +155,10 @@ def verify_parity(
     from moebench.parity.runner import verify_parity as run
     from moebench.results import check_root
 
+    from moebench.resources import require_ranks_fit
+
     check_root(results_dir, "parity")
+    require_ranks_fit(world_size)
     names = tuple(n.strip() for n in checks.split(",") if n.strip()) if checks is not None else ()
     if checks is not None and not names:
         raise UserError("names no check; give check names (see --list) or leave the flag out", flag="--checks")

@@ -128,3 +128,13 @@ def test_the_python_api_goes_through_the_same_bounds():
         variants.resolve_config(fastmoe, "quick", {("launch", "timeout_s"): 1e10})
     with pytest.raises(UserError, match="--steps: must be at most"):
         variants.resolve_config(fastmoe, "quick", {("train", "steps"): 10**23})
+
+
+def test_verify_parity_refuses_more_ranks_than_memory_holds(work, monkeypatch):
+    from moebench import resources
+
+    monkeypatch.setattr(resources, "available_bytes", lambda: 3 * resources.PROCESS_BYTES)
+    result = runner.invoke(app, ["verify-parity", "-n", "4", "--checks", "experts"])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: -n/--world-size: 4 local ranks need ~"), result.output
+    assert os.listdir(work) == []
