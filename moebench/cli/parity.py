@@ -153,9 +153,8 @@ def verify_parity(
     from moebench.parity.registry import parse_impls
     from moebench.parity.runner import ParityConfig
     from moebench.parity.runner import verify_parity as run
-    from moebench.results import check_root
-
     from moebench.resources import require_ranks_fit
+    from moebench.results import check_root
 
     check_root(results_dir, "parity")
     require_ranks_fit(world_size)
