@@ -32,6 +32,8 @@ import types
 import typing
 from typing import Any
 
+from moebench import bounds
+from moebench.bounds import Number
 from moebench.distributed.env import is_launched_rank
 from moebench.errors import UserError
 
@@ -49,10 +51,51 @@ so a wheel carries it and importlib.resources reads it from a checkout and an in
 
 
 def flag(name: str | None = None, *, short: str | None = None, choices: tuple[str, ...] = (),
-         aliases: tuple[str, ...] = (), metavar: str | None = None) -> dict:
+         aliases: tuple[str, ...] = (), metavar: str | None = None, bound: bounds.Bound | None = None) -> dict:
     """Field metadata for the CLI: the flag's name when it is not `--<field-name>`, a short form,
-    case-insensitive choices, hidden old spellings, and the placeholder shown in --help."""
-    return {"flag": name, "short": short, "choices": choices, "aliases": aliases, "metavar": metavar}
+    case-insensitive choices, hidden old spellings, the placeholder shown in --help, and the value's
+    bound (moebench.bounds: checked in __post_init__ and while the CLI reads the flag)."""
+    return {"flag": name, "short": short, "choices": choices, "aliases": aliases, "metavar": metavar,
+            "bound": bound}
+
+
+def bounded(bound: bounds.Bound, **meta) -> dict:
+    """`dataclasses.field(metadata=...)` of a field with a bound (and other `flag` metadata)."""
+    return flag(bound=bound, **meta)
+
+
+MAX_LAYERS = 1024
+"""Transformer blocks: deeper than any published MoE model (GLaM: 64) by far."""
+MAX_WIDTH = 2**20
+"""--d-model and --heads: 85x the widest published model (GPT-3: 12288)."""
+MAX_HIDDEN = 2**22
+"""An expert's hidden width: 4x --d-model's bound."""
+MAX_EXPERTS = 2**20
+"""Experts per layer: 512x the largest published layer (Switch: 2048)."""
+MAX_TOP_K = 1024
+"""Experts a token is sent to."""
+MAX_BATCH = 2**31 - 1
+"""Sequences per global batch (a C int; the memory estimate refuses far less)."""
+MAX_SEQ_LEN = 2**20
+"""Tokens per sequence (a million)."""
+MAX_SAMPLES = 2**31 - 1
+"""Sequences in the random training set (C int range: samplers and DeepSpeed index with it)."""
+MAX_EPOCHS = 10**6
+"""Passes over the training set."""
+MAX_STEPS = 10**9
+"""Optimiser steps (under a C int: DeepSpeed's step counters are C ints)."""
+MAX_LR = 1e3
+"""Adam's learning rate: beyond this the first step already diverges."""
+MAX_AUX_LOSS_COEF = 1e6
+"""Weight of the balance loss."""
+TIMEOUT_BOUND = Number(integer=False, min=0, above=True, max=bounds.WEEK_S,
+                       why="7 days")
+"""Every --timeout: positive, at most a week (a larger one is a run that would never be stopped)."""
+
+
+def positive(limit: float, why: str = "") -> Number:
+    """An integer from 1 to `limit`."""
+    return Number(integer=True, min=1, max=limit, why=why)
 
 
 # --------------------------------------------------------------------------- validation helpers
@@ -85,6 +128,11 @@ def require_choice(value: object, choices: tuple[str, ...], name: str) -> None:
         raise UserError(f"unknown value {value!r}; use one of {', '.join(choices)}", flag=name)
 
 
+SEED_BOUND = Number(integer=True, min=0, max=SEED_LIMIT - 1,
+                    refusal=f"must be an integer from 0 to 2**63-1 ({SEED_LIMIT - 1}), got {{value}}")
+"""Seeds: 0 is a seed like any other."""
+
+
 def require_seed(seed: object, name: str = "--seed") -> None:
     """UserError unless `seed` is an int with 0 <= seed < 2**63 (one range for every command)."""
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
@@ -94,6 +142,9 @@ def require_seed(seed: object, name: str = "--seed") -> None:
 def derived_seed(value: int) -> int:
     """A seed computed from the user's seed (offsets, products), kept inside [0, 2**63)."""
     return value % SEED_LIMIT
+
+
+WORLD_SIZE_BOUND = Number(integer=True, min=1, max=MAX_WORLD_SIZE, why="local ranks; for more, use torchrun")
 
 
 def require_world_size(world_size: object) -> None:
@@ -122,15 +173,16 @@ def require_launched_world(asked: int | None) -> None:
 class ModelConfig:
     """The shared pre-norm Transformer that holds the MoE layer."""
 
-    layers: int
+    layers: int = dataclasses.field(metadata=bounded(positive(MAX_LAYERS, "blocks")))
     """Transformer blocks, each with an MoE layer as its MLP."""
-    d_model: int
+    d_model: int = dataclasses.field(metadata=bounded(positive(MAX_WIDTH, "85x GPT-3's width")))
     """Model width (hidden size)."""
-    heads: int
+    heads: int = dataclasses.field(metadata=bounded(positive(MAX_WIDTH, "at most --d-model")))
     """Attention heads; must divide --d-model."""
 
     def __post_init__(self) -> None:
         require_positive_ints({"--layers": self.layers, "--d-model": self.d_model, "--heads": self.heads})
+        bounds.check_fields(self)
         if self.d_model % self.heads:
             raise UserError(f"d_model {self.d_model} is not divisible by {self.heads} heads; "
                             "pick --heads that divides --d-model", flag="--heads")
@@ -140,21 +192,23 @@ class ModelConfig:
 class TrainConfig:
     """Random data and the optimiser (Adam on MSE + aux_loss_coef x the gates' balance loss)."""
 
-    batch_size: int
+    batch_size: int = dataclasses.field(metadata=bounded(positive(MAX_BATCH, "a C int")))
     """Sequences per optimiser step over all ranks (the global batch)."""
-    seq_len: int = dataclasses.field(metadata=flag(aliases=("--seq",)))
+    seq_len: int = dataclasses.field(metadata=flag(aliases=("--seq",), bound=positive(MAX_SEQ_LEN, "tokens")))
     """Tokens per sequence."""
-    samples: int
+    samples: int = dataclasses.field(metadata=bounded(positive(MAX_SAMPLES, "a C int")))
     """Sequences in the random training set, reshuffled every epoch (= batch size: one batch)."""
-    epochs: int
+    epochs: int = dataclasses.field(metadata=bounded(positive(MAX_EPOCHS, "passes")))
     """Passes over the training set (an epoch is samples // batch_size steps)."""
-    steps: int | None = None
+    steps: int | None = dataclasses.field(default=None, metadata=bounded(positive(MAX_STEPS, "under a C int")))
     """Optimiser steps in all; replaces --epochs (the training set is cycled)."""
-    lr: float
+    lr: float = dataclasses.field(metadata=bounded(Number(integer=False, min=0, above=True, max=MAX_LR,
+                                                          why="diverges at once beyond")))
     """Adam learning rate."""
-    aux_loss_coef: float
+    aux_loss_coef: float = dataclasses.field(metadata=bounded(Number(integer=False, min=0, max=MAX_AUX_LOSS_COEF,
+                                                                     why="0 turns it off")))
     """Weight of the gates' balance (aux) loss in the training loss."""
-    seed: int
+    seed: int = dataclasses.field(metadata=bounded(SEED_BOUND))
     """Seeds the weights, the data and the gate noise (0 to 2**63-1)."""
 
     def __post_init__(self) -> None:
@@ -167,6 +221,7 @@ class TrainConfig:
         if self.aux_loss_coef < 0:
             raise UserError(f"must be >= 0, got {self.aux_loss_coef}", flag="--aux-loss-coef")
         require_seed(self.seed)
+        bounds.check_fields(self)
         if self.samples < self.batch_size:
             raise UserError(f"{self.samples} samples do not fill one global batch of {self.batch_size}; "
                             f"use --samples >= {self.batch_size} (or a smaller --batch-size)", flag="--samples")
@@ -196,14 +251,16 @@ class TrainConfig:
 class LaunchConfig:
     """Where the run goes: how many local ranks, which device and collective backend, how long."""
 
-    world_size: int = dataclasses.field(default=1, metadata=flag(short="-n"))
+    world_size: int = dataclasses.field(default=1, metadata=flag(short="-n", bound=WORLD_SIZE_BOUND))
     """Ranks to start on this machine (under torchrun: its WORLD_SIZE)."""
     device: str = dataclasses.field(default="auto", metadata=flag(choices=DEVICES))
     """auto (CUDA where every local rank gets a GPU, else cpu), cpu or cuda."""
     comm_backend: str = dataclasses.field(default="auto", metadata=flag(choices=COMM_BACKENDS))
     """Collective backend: auto (NCCL on CUDA ranks, else gloo), gloo or nccl."""
-    timeout_s: float | None = dataclasses.field(default=None, metadata=flag("--timeout", metavar="SECONDS"))
-    """Hang deadline: hung ranks are dumped and killed then (run: default from its size; verify-parity: per check)."""
+    timeout_s: float | None = dataclasses.field(default=None, metadata=flag("--timeout", metavar="SECONDS",
+                                                                             bound=TIMEOUT_BOUND))
+    """Hang deadline, at most 604800 s (7 days): hung ranks are dumped and killed then (run: default from its
+    size; verify-parity: per check)."""
 
     def __post_init__(self) -> None:
         if not is_launched_rank():  # under torchrun its WORLD_SIZE decides, whatever its size
@@ -212,6 +269,7 @@ class LaunchConfig:
         require_choice(self.comm_backend, COMM_BACKENDS, "--comm-backend")
         if self.timeout_s is not None:
             require_positive({"--timeout": self.timeout_s})
+            bounds.check(TIMEOUT_BOUND, self.timeout_s, "--timeout")
 
 
 # --------------------------------------------------------------------------- walking the tree

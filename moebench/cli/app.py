@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 
@@ -11,7 +12,7 @@ import typer
 from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
 from typer.core import TyperGroup
 
-from moebench import __version__, signals
+from moebench import __version__, bounds, signals
 from moebench.errors import Interrupted, RunFailed, UserError
 
 PEER_REFUSAL_GRACE_S = 3.0
@@ -29,7 +30,12 @@ class _Group(TyperGroup):
     """
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        args = list(sys.argv[1:] if args is None else args)
+        bounds.remember_argv(args)  # a refusal names the spelling typed (-n or --world-size)
         try:
+            if "--version" in args and args[0].startswith("-") and len(args) > 1:  # `moebench --version extra`
+                raise UsageError(f"--version: takes no other argument, got "
+                                 f"{' '.join(a for a in args if a != '--version')[:60]!r}")
             rv = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
                               standalone_mode=False, **extra)
             code = rv if isinstance(rv, int) else 0
@@ -38,7 +44,8 @@ class _Group(TyperGroup):
             code = exc.exit_code
         except UsageError as exc:
             where = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx else ""
-            typer.echo(f"error: {exc.format_message()}{where}", err=True)
+            message = re.sub(r"'([^']{40})[^']{8,}'", r"'\1...'", exc.format_message())  # a 5000-char value: cut
+            typer.echo(f"error: {message}{where}", err=True)
             code = exc.exit_code
         except ClickException as exc:
             exc.show()
@@ -57,7 +64,10 @@ class _Group(TyperGroup):
             return super().invoke(ctx)
         except UserError as exc:  # every rank of a launched job refuses the same input: rank 0 says it
             if _talks():
-                typer.echo(f"error: {exc}", err=True)
+                text, typed = str(exc), bounds.as_typed(exc.flag)
+                if exc.flag and typed != exc.flag and text.startswith(f"{exc.flag}: "):  # `-n 3` -> -n/--world-size
+                    text = f"{typed}: {text[len(exc.flag) + 2:]}"
+                typer.echo(f"error: {text}", err=True)
             else:  # exit after rank 0, so that the launcher tears the job down once rank 0 has said why
                 time.sleep(PEER_REFUSAL_GRACE_S)
             raise typer.Exit(code=exc.exit_code) from None

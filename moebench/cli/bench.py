@@ -9,9 +9,60 @@ from typing import Optional
 
 import typer
 
+from moebench import config as config_tree
+from moebench.bounds import Items, Name, Number
 from moebench.cli import flags
 
 app = typer.Typer()
+
+MAX_TOKENS = 2**24
+"""Tokens per layer call: 16 M (the memory estimate refuses far fewer at any real width)."""
+MAX_REPEATS = 1000
+"""Timed calls per layer and point."""
+
+
+def _layer_names() -> list[str]:
+    from moebench.bench.core import LAYERS
+
+    return list(LAYERS)
+
+
+def _ep_layer_names() -> list[str]:
+    from moebench.bench.parallel import EP_LAYERS
+
+    return list(EP_LAYERS)
+
+
+def _common_presets() -> list[str]:
+    from moebench import variants
+
+    names = [set(config_tree.preset_names(v.name)) for v in variants.VARIANTS]
+    return sorted(set.intersection(*names))
+
+
+BOUNDS = {
+    "--experts": Items(item=config_tree.positive(config_tree.MAX_EXPERTS, "512x Switch's 2048"), example="4,16"),
+    "--tokens": Items(item=config_tree.positive(MAX_TOKENS, "16 M"), example="1024"),
+    "--top-k": Items(item=config_tree.positive(config_tree.MAX_TOP_K), example="2"),
+    "--d-model": config_tree.positive(config_tree.MAX_WIDTH, "85x GPT-3's width"),
+    "--d-hidden": config_tree.positive(config_tree.MAX_HIDDEN, "4x the --d-model bound"),
+    "--world-size": Items(item=config_tree.WORLD_SIZE_BOUND, example="1,2"),
+    "--repeats": config_tree.positive(MAX_REPEATS),
+    "--warmup": Number(integer=True, min=0, max=MAX_REPEATS, why="0: no warm-up"),
+    "--layer-kinds": Items(item=Name(what="layer", choices=_layer_names), example="reference"),
+    "--ep-layer-kinds": Items(item=Name(what="layer", choices=_ep_layer_names), example="reference-ep",
+                              keywords=("none",)),
+    "--preset": Name(what="preset", choices=_common_presets),
+    "--timeout": config_tree.TIMEOUT_BOUND,
+}
+BOUNDS["--layers"] = BOUNDS["--layer-kinds"]  # the old spellings, hidden
+BOUNDS["--ep-layers"] = BOUNDS["--ep-layer-kinds"]
+"""Every valued option of bench: its bound (moebench.bounds), read through it before anything runs."""
+
+
+def _opt(default, *names, **kwargs):
+    return flags.bounded_option(default, *names, bound=BOUNDS[names[0]], **kwargs)
+
 
 QUICK = {"experts": "4,16", "tokens": "1024", "top_k": "2", "d_model": 256, "d_hidden": 1024, "world_size": "1,2"}
 """--quick: small enough to run in well under a minute on 2 cores, every section still present."""
@@ -49,39 +100,43 @@ EXAMPLES = """Examples:
 
 @app.command("bench", epilog=EXAMPLES)
 def bench(
-    quick: bool = typer.Option(False, "--quick", help="E 4,16; T 1024; k 2; d 256/1024; ranks 1,2; 1 repeat."),
-    experts: str = typer.Option("4,16,64", "--experts", metavar="N,N,...", help="Comma-separated expert counts."),
-    tokens: str = typer.Option("2048,8192", "--tokens", metavar="N,N,...",
-                               help="Comma-separated tokens per layer call (per rank)."),
-    top_k: str = typer.Option("2", "--top-k", metavar="K,K,...", help="Comma-separated k values."),
-    d_model: int = typer.Option(512, "--d-model", min=1, metavar="N", help="Model width: each token's size."),
-    d_hidden: int = typer.Option(2048, "--d-hidden", min=1, metavar="N", help="Hidden width of each expert's MLP."),
-    world_size: str = typer.Option("1,2,4", "--world-size", "-n", metavar="N,N,...",
-                                   help="Comma-separated rank counts for the expert-parallel layers."),
-    repeats: Optional[int] = typer.Option(None, "--repeats", min=1, metavar="N",
-                                          help="Timed runs per layer [3; --quick 1]."),
-    warmup: int = typer.Option(1, "--warmup", min=0, metavar="N", help="Untimed runs per layer before timing."),
-    layers: str = typer.Option("ideal,dense,reference,reference-balanced,deepspeed-cf1,deepspeed-cf2,fmoe,grouped-mm",
-                               "--layer-kinds", metavar="KIND,...",
-                               help="Comma-separated one-process layer kinds to time (not `run`'s --layers, "
-                                    "a count of Transformer blocks)."),
-    layers_old: Optional[str] = typer.Option(None, "--layers", hidden=True, help="Old spelling of --layer-kinds."),
-    ep_layers: str = typer.Option("reference-ep,deepspeed-ep-cf1", "--ep-layer-kinds", metavar="KIND,...|none",
-                                  help="Comma-separated expert-parallel layer kinds ('none' to skip them)."),
-    ep_layers_old: Optional[str] = typer.Option(None, "--ep-layers", hidden=True,
-                                                help="Old spelling of --ep-layer-kinds."),
+    ctx: typer.Context,
+    quick: bool = typer.Option(False, "--quick", help="E 4,16; T 1024; k 2; d 256/1024; ranks 1,2; 1 repeat "
+                               "(a flag given beside it wins)."),
+    experts: str = _opt("4,16,64", "--experts", metavar="N,N,...", help="Comma-separated expert counts."),
+    tokens: str = _opt("2048,8192", "--tokens", metavar="N,N,...",
+                       help="Comma-separated tokens per layer call (per rank)."),
+    top_k: str = _opt("2", "--top-k", metavar="K,K,...", help="Comma-separated k values."),
+    d_model: int = _opt(512, "--d-model", metavar="N", help="Model width: each token's size."),
+    d_hidden: int = _opt(2048, "--d-hidden", metavar="N", help="Hidden width of each expert's MLP."),
+    world_size: str = _opt("1,2,4", "--world-size", "-n", metavar="N,N,...",
+                           help="Comma-separated rank counts for the expert-parallel layers."),
+    repeats: Optional[int] = _opt(None, "--repeats", metavar="N", help="Timed runs per layer [3; --quick 1]."),
+    warmup: int = _opt(1, "--warmup", metavar="N", help="Untimed runs per layer before timing."),
+    layers: str = _opt("ideal,dense,reference,reference-balanced,deepspeed-cf1,deepspeed-cf2,fmoe,grouped-mm",
+                       "--layer-kinds", metavar="KIND,...",
+                       help="Comma-separated one-process layer kinds to time (not `run`'s --layers, "
+                            "a count of Transformer blocks)."),
+    layers_old: Optional[str] = _opt(None, "--layers", hidden=True, help="Old spelling of --layer-kinds."),
+    ep_layers: str = _opt("reference-ep,deepspeed-ep-cf1", "--ep-layer-kinds", metavar="KIND,...|none",
+                          help="Comma-separated expert-parallel layer kinds ('none' to skip them)."),
+    ep_layers_old: Optional[str] = _opt(None, "--ep-layers", hidden=True, help="Old spelling of --ep-layer-kinds."),
     comm: bool = typer.Option(False, "--comm", help="Also time the all-to-all exchange alone (gloo; NCCL too "
                               "where every rank has a GPU)."),
     train: bool = typer.Option(False, "--train", help="Instead of the layer sweep: one training step of each "
                                "variant's --preset, phase by phase, against FLOP and bandwidth bounds."),
-    preset: str = typer.Option("chapter", "--preset", metavar="NAME", help="The preset --train times."),
+    preset: str = _opt("chapter", "--preset", metavar="NAME", help="The preset --train times."),
     no_profile: bool = typer.Option(False, "--no-profile", help="Skip the torch.profiler breakdowns."),
-    timeout: float = typer.Option(900.0, "--timeout", metavar="SECONDS",
-                                  help="Hang deadline of each multi-rank launch: hung ranks are dumped and killed."),
+    timeout: float = _opt(900.0, "--timeout", metavar="SECONDS",
+                          help="Hang deadline of each multi-rank launch: hung ranks are dumped and killed."),
+    force: bool = typer.Option(False, "--force", help="Run even when the memory or work estimate refuses."),
     results_dir: Optional[str] = flags.shared_option("results_dir"),
     as_json: bool = flags.shared_option("as_json"),
 ) -> None:
     """Time one MoE layer's forward + backward against the per-expert GEMM bound and DeepSpeed."""
+    from typer._click.core import ParameterSource
+
+    from moebench import resources
     from moebench.bench import core
     from moebench.bench.parallel import EP_LAYERS
     from moebench.config import require_positive, require_world_size
@@ -92,8 +147,13 @@ def bench(
         raise UserError("bench times one process, then starts its own local ranks, but RANK and WORLD_SIZE say "
                         "this process is one rank of a torchrun / deepspeed launch; run `moebench bench` "
                         "without a launcher")
-    if quick:
-        experts, tokens, top_k, d_model, d_hidden, world_size = (QUICK[k] for k in (
+    given = {"--" + name.replace("_", "-") for name in ctx.params
+             if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE}
+    if quick:  # the quick sizes fill what was not given: an explicit flag always wins
+        values = {"experts": experts, "tokens": tokens, "top_k": top_k, "d_model": d_model, "d_hidden": d_hidden,
+                  "world_size": world_size}
+        values.update({k: v for k, v in QUICK.items() if "--" + k.replace("_", "-") not in given})
+        experts, tokens, top_k, d_model, d_hidden, world_size = (values[k] for k in (
             "experts", "tokens", "top_k", "d_model", "d_hidden", "world_size"))
         repeats = repeats or 1
     require_positive({"--timeout": timeout})
@@ -119,6 +179,9 @@ def bench(
                           train=train, preset=preset, timeout_s=timeout)
     if train:
         core.check_preset(preset)
+    else:  # memory and work before the results folder exists
+        resources.require_bench_fits(points, layers=len(names), ep_layers=len(ep_names), world_sizes=worlds,
+                                     calls=spec.repeats + spec.warmup, force=force, given=given)
     summary = core.run_bench(spec, results_dir, name="train" if train else ("quick" if quick else "sweep"),
                              log=None if as_json else (lambda m: typer.echo(m, err=True)))
     if as_json:

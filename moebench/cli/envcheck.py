@@ -7,12 +7,15 @@ from typing import Optional
 
 import typer
 
+from moebench.bounds import Number
 from moebench.cli import flags
 from moebench.errors import UserError
 
 app = typer.Typer()
 
 MAX_PROBE_TIMEOUT_S = 3600.0
+"""The probe starts 2 ranks for one all-reduce: an hour is far past any working machine."""
+PROBE_TIMEOUT_BOUND = Number(integer=False, min=0, above=True, max=MAX_PROBE_TIMEOUT_S, why="1 h")
 REPORT_FILE = "envcheck.json"
 
 
@@ -28,9 +31,10 @@ EXAMPLES = """Examples:
 def env_check(
     as_json: bool = flags.shared_option("as_json"),
     no_probe: bool = typer.Option(False, "--no-probe", help="Skip the live collective probe (2 local ranks)."),
-    probe_timeout: float = typer.Option(
+    probe_timeout: float = flags.bounded_option(
         30.0,
         "--probe-timeout",
+        bound=PROBE_TIMEOUT_BOUND,
         metavar="SECONDS",
         help="Deadline of the collective probe; a probe still running then is reported as hung.",
     ),

@@ -13,6 +13,7 @@ from typing import Any, Callable, Literal, Optional
 
 import typer
 
+from moebench import bounds
 from moebench import config as config_tree
 
 KEYWORD = inspect.Parameter.KEYWORD_ONLY
@@ -46,9 +47,19 @@ def leaf_option(spec: config_tree.FieldSpec, *, value: Any = None, shown: Any = 
         extra["metavar"] = "|".join(spec.meta["choices"])
     elif spec.meta.get("metavar"):
         extra["metavar"] = spec.meta["metavar"]
+    if spec.meta.get("bound") is not None:  # read through the field's bound: refused before any work
+        spellings = [n for n in names if "/" not in n] + [n for n in (spec.name, *spec.meta.get("aliases", ()))
+                                                            if n not in names]
+        spellings.sort(key=lambda n: n != spec.name)  # the field's own name first: the one a refusal shows
+        extra["parser"] = bounds.Parser(spec.meta["bound"], tuple(spellings))
     help_text = f"Old spelling of {spec.name}." if hidden else spec.help
     return typer.Option(value, *names, help=help_text, show_default=_shown(shown if value is None else value),
                         hidden=hidden, **extra)
+
+
+def bounded_option(default: Any, *names: str, bound: bounds.Bound, **kwargs) -> Any:
+    """A Typer option of a command (not of a config) whose value is read through `bound`."""
+    return typer.Option(default, *names, parser=bounds.Parser(bound, names), **kwargs)
 
 
 def annotation(spec: config_tree.FieldSpec):
@@ -86,9 +97,11 @@ SHARED_FIELDS = {spec.path[-1]: spec for spec in config_tree.leaves(config_tree.
                  + config_tree.leaves(config_tree.TrainConfig) if spec.path[-1] in
                  ("world_size", "device", "comm_backend", "timeout_s", "seed")}
 """Config fields other commands (verify-parity) take too: the same flag, help and checks."""
+RESULTS_DIR_BOUND = bounds.Path(folder=True)
+"""--results-dir: a folder (or one to create) within PATH_MAX; writers check it is writable (check_root)."""
 OUTPUT_OPTIONS = {
-    "results_dir": lambda: typer.Option(None, "--results-dir", metavar="DIR",
-                                        help="Results root (default: $MOEBENCH_RESULTS or ./results)."),
+    "results_dir": lambda: bounded_option(None, "--results-dir", bound=RESULTS_DIR_BOUND, metavar="DIR",
+                                          help="Results root (default: $MOEBENCH_RESULTS or ./results)."),
     "as_json": lambda: typer.Option(False, "--json", help="Print one JSON document on stdout instead of tables."),
     "list_names": lambda: typer.Option(False, "--list", help="List what is registered and exit."),
 }

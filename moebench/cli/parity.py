@@ -7,11 +7,29 @@ from typing import List, Optional
 
 import typer
 
+from moebench.bounds import Items, Name, Text
 from moebench.cli import flags
 from moebench.distributed.env import is_printer as _is_printer
 from moebench.errors import Interrupted, UserError
 
 app = typer.Typer()
+
+TOLERANCES = ("strict", "seed")
+
+
+def _check_names() -> list[str]:
+    from moebench.parity.registry import all_checks
+
+    return [c.name for c in all_checks()]
+
+
+BOUNDS = {
+    "--checks": Items(item=Name(what="check", choices=_check_names,
+                                 listed_by="moebench verify-parity --list"), example="experts"),
+    "--tolerance": Name(what="tolerance", choices=lambda: list(TOLERANCES)),
+    "--impl": Text(what="KEY=package.module:attribute", pattern=r"[a-z-]+=[A-Za-z_][\w.]*:[A-Za-z_][\w.]*"),
+}
+"""verify-parity's own valued options (the shared ones carry their config field's bound)."""
 
 
 def _list(as_json: bool) -> None:
@@ -107,8 +125,9 @@ EXAMPLES = """Examples:
 def verify_parity(
     ctx: typer.Context,
     world_size: int = flags.shared_option("world_size", 4),
-    checks: Optional[str] = typer.Option(
-        None, "--checks", metavar="NAMES", help="Comma-separated check names (default: all; see --list)."
+    checks: Optional[str] = flags.bounded_option(
+        None, "--checks", bound=BOUNDS["--checks"], metavar="NAMES",
+        help="Comma-separated check names (default: all; see --list)."
     ),
     list_checks: bool = flags.shared_option("list_names"),
     timeout: float = flags.shared_option("timeout_s", 120.0),
@@ -116,14 +135,15 @@ def verify_parity(
     backend_old: flags.annotation(flags.SHARED_FIELDS["comm_backend"]) = typer.Option(
         None, "--backend", hidden=True, case_sensitive=False, help="Old spelling of --comm-backend."
     ),
-    tolerance: str = typer.Option(
-        "strict", "--tolerance", metavar="strict|seed",
+    tolerance: str = flags.bounded_option(
+        "strict", "--tolerance", bound=BOUNDS["--tolerance"], metavar="strict|seed",
         help="strict: relative to the magnitude compared, with an absolute floor; seed: each seed's own "
              "assertions, exactly (docs/verify-parity.md).",
     ),
-    impl: List[str] = typer.Option(
+    impl: List[str] = flags.bounded_option(
         [],
         "--impl",
+        bound=BOUNDS["--impl"],
         metavar="KEY=MOD:ATTR",
         help="Verify your code: KEY all-gather, experts, ddp, replicate, moe, moe-sync or switch-gate "
         "(repeatable; contracts: docs/verify-parity.md).",
@@ -147,11 +167,13 @@ def verify_parity(
     from moebench.parity.registry import parse_impls
     from moebench.parity.runner import ParityConfig
     from moebench.parity.runner import verify_parity as run
+    from moebench.resources import require_ranks_fit
     from moebench.results import check_root
 
     check_root(results_dir, "parity")
     if is_launched_rank() and ctx.get_parameter_source("world_size").name == "COMMANDLINE":
         require_launched_world(world_size)  # torchrun's WORLD_SIZE decides: a flag saying otherwise is refused
+    require_ranks_fit(world_size)
     names = tuple(n.strip() for n in checks.split(",") if n.strip()) if checks is not None else ()
     if checks is not None and not names:
         raise UserError("names no check; give check names (see --list) or leave the flag out", flag="--checks")

@@ -7,9 +7,16 @@ from typing import List, Optional
 
 import typer
 
+from moebench import bounds
+from moebench.bounds import Name
 from moebench.cli import flags
 
 app = typer.Typer()
+
+RUN_BOUND = bounds.Path(folder=True, must_exist=True)
+"""RUN: an existing run folder."""
+SINCE_BOUND = Name(what="time", max_chars=40, pattern=r"[0-9][0-9T:. +-]*", hint="e.g. 2026-11-23T15:04:05")
+"""--since: a time stamp (its format is checked by report.collect.parse_since)."""
 
 
 EXAMPLES = """Examples:
@@ -23,12 +30,12 @@ EXAMPLES = """Examples:
 @app.command("report", epilog=EXAMPLES)
 def report(
     runs: Optional[List[str]] = typer.Argument(
-        None, metavar="RUN",
+        None, metavar="RUN", parser=bounds.Parser(RUN_BOUND, ("RUN",)),
         help="Run folders (results/<kind>/<run-id>) to read; several of one kind are compared. "
              "Default: the latest run of each kind under the results root (for a variant, its latest "
              "run of the chapter's experiment, if there is one)."),
-    since: Optional[str] = typer.Option(
-        None, "--since", metavar="TIME",
+    since: Optional[str] = flags.bounded_option(
+        None, "--since", bound=SINCE_BOUND, metavar="TIME",
         help="Only runs started at or after TIME (2026-11-23T15:04:05 or 20261123-150405); an older latest run "
              "counts as not run. `make all` passes its own start."),
     results_dir: Optional[str] = flags.shared_option("results_dir"),

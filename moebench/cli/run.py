@@ -34,13 +34,14 @@ def _command(variant: variants.Variant):
     params, to_overrides = flags.config_parameters(variant.config_cls, defaults)
     presets = ", ".join(config_tree.preset_names(variant.name))
     common = [
-        flags._param("preset", str | None, typer.Option(
-            None, "--preset", metavar="NAME", show_default=variant.default_preset,
+        flags._param("preset", str | None, flags.bounded_option(
+            None, "--preset", bound=preset_bound(variant.name), metavar="NAME", show_default=variant.default_preset,
             help=f"experiments/{variant.name}/<NAME>.json: {presets}. Flags override it.")),
         flags._param("show_config", bool, typer.Option(
             False, "--show-config", help="Print the resolved config (flags over preset) as JSON and exit.")),
         flags._param("force", bool, typer.Option(
-            False, "--force", help="Run even when the memory estimate exceeds the available memory.")),
+            False, "--force", help="Run even when the memory estimate exceeds the available memory, or the work "
+            "estimate a week.")),
         flags._param("results_dir", str | None, flags.shared_option("results_dir")),
         flags._param("as_json", bool, flags.shared_option("as_json")),
     ]
@@ -53,6 +54,19 @@ def _command(variant: variants.Variant):
     return flags.with_signature(command, common[:1] + params + common[1:])
 
 
+def preset_bound(variant_name: str):
+    """--preset: a preset name of this variant (checked for length and kind before any file is opened)."""
+    from moebench.bounds import Name
+
+    return Name(what="preset", choices=lambda: config_tree.preset_names(variant_name))
+
+
+def given_flags(config_cls, overrides) -> set[str]:
+    """The flags the user gave (the ones a refusal may blame)."""
+    names = {spec.path: spec.name for spec in config_tree.leaves(config_cls)}
+    return {names[path] for path, value in overrides.items() if value is not None and path in names}
+
+
 def run_variant_command(variant, preset, overrides, *, show_config: bool, force: bool, results_dir,
                         as_json: bool) -> None:
     from moebench import resources, results, train
@@ -60,11 +74,12 @@ def run_variant_command(variant, preset, overrides, *, show_config: bool, force:
 
     results.check_root(results_dir, variant.name)
     config = variants.resolve_config(variant, preset, overrides)
+    # memory and work before anything exists; --show-config refuses exactly as the run would
+    resources.require_runnable(config, force=force, given=given_flags(variant.config_cls, overrides))
     if show_config:
         if is_printer():
             typer.echo(json.dumps(config_tree.as_dict(config), indent=2))
         return
-    resources.require_fits(config, force=force)
     if is_printer() and not as_json:
         typer.echo(variant.headline(config), err=True)
     run_and_report(lambda: train.run_variant(variant, config, results_root=results_dir, show_progress=not as_json),

@@ -8,9 +8,13 @@ from typing import Optional
 
 import typer
 
+from moebench.bounds import Name
 from moebench.cli import flags
 
 app = typer.Typer()
+
+KIND_BOUND = Name(what="kind")
+"""--kind: a run kind's folder name (fastmoe, parity, ...): a name, not a path."""
 
 
 EXAMPLES = """Examples:
@@ -22,8 +26,8 @@ EXAMPLES = """Examples:
 
 @app.command("runs", epilog=EXAMPLES)
 def runs(
-    kind: Optional[str] = typer.Option(None, "--kind", metavar="KIND",
-                                       help="Only this kind (fastmoe, deepspeed, parity, env, ...)."),
+    kind: Optional[str] = flags.bounded_option(None, "--kind", bound=KIND_BOUND, metavar="KIND",
+                                               help="Only this kind (fastmoe, deepspeed, parity, env, ...)."),
     results_dir: Optional[str] = flags.shared_option("results_dir"),
     as_json: bool = flags.shared_option("as_json"),
 ) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import inspect
 import traceback
 from typing import Any, Callable
 
@@ -170,33 +171,67 @@ IMPL_IMPORT_TIMEOUT_S = 60.0
 """How long a --impl module may take to import in the probe (torch alone takes ~2 s here)."""
 
 
+IMPL_CLASS_KEYS = ("experts", "moe", "switch-gate")
+"""Keys whose contract is a class (instantiated per check); the others take any callable."""
+IMPL_CALL_ARGS: dict[str, tuple[tuple, dict]] = {
+    "all-gather": (("t",), {}),
+    "experts": (([],), {}),
+    "ddp": (("module",), {}),
+    "replicate": (("module",), {}),
+    "moe": ((), {"num_expert": 1, "d_model": 1, "d_hidden": 1, "top_k": 1, "world_size": 1}),
+    "moe-sync": (("model",), {}),
+    "switch-gate": ((1, 1, 1), {}),
+}
+"""How each check calls (or builds) the object: its signature must accept these (IMPL_CONTRACTS)."""
+
+
+def interface_problem(key: str, obj: Any) -> str:
+    """What keeps `obj` from meeting `key`'s contract ("" when nothing does): callable, class, signature."""
+    contract = IMPL_CONTRACTS[key].split(";")[0]
+    if not callable(obj):
+        return f"is a {type(obj).__name__}, not callable; {key} needs {contract}"
+    if key in IMPL_CLASS_KEYS and not inspect.isclass(obj):
+        return f"is a {type(obj).__name__}, not a class; {key} needs {contract}"
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):  # a builtin without a signature: it is called as it is
+        return ""
+    args, kwargs = IMPL_CALL_ARGS[key]
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        return f"cannot be called as {key} needs ({exc}); {key} needs {contract}"
+    return ""
+
+
 def parse_impls(specs: list[str], timeout_s: float = IMPL_IMPORT_TIMEOUT_S) -> dict[str, str]:
-    """--impl key=package.module:attr, validated (it must import, in a child process bounded by
-    `timeout_s`) before anything runs."""
+    """--impl key=package.module:attr, validated before anything runs: each key once, and the target
+    imported in a child process bounded by `timeout_s` and checked against its key's contract."""
     impls: dict[str, str] = {}
     for spec in specs:
         key, sep, target = spec.partition("=")
         if not sep or key not in IMPL_CONTRACTS or ":" not in target:
             raise UserError(f"expected KEY=package.module:attribute with KEY in {', '.join(IMPL_CONTRACTS)}, "
-                            f"got {spec!r}", flag="--impl")
-        problem = import_problem(target, timeout_s)
-        if problem:
-            raise UserError(f"{target!r} {problem}", flag="--impl")
+                            f"got {spec[:80]!r}", flag="--impl")
         if key in impls:  # one implementation per key: the last one would silently win
             raise UserError(f"{key} is given twice ({impls[key]!r} and {target!r}); give each key once",
                             flag="--impl")
         impls[key] = target
+    for key, target in impls.items():
+        problem = import_problem(target, timeout_s, key=key)
+        if problem:
+            raise UserError(f"{target!r} {problem}", flag="--impl")
     return impls
 
 
-def import_problem(target: str, timeout_s: float) -> str:
+def import_problem(target: str, timeout_s: float, key: str | None = None) -> str:
     """Import `target` in a forked child, never here: what went wrong ("" when it imports). A module
     that raises, calls sys.exit / os._exit or hangs at import cannot take the command with it."""
     import multiprocessing as mp
 
     ctx = mp.get_context("fork")
     reader, writer = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_import_child, args=(target, writer), daemon=True)
+    child = ctx.Process(target=_import_child, args=(target, writer, key), daemon=True)
     child.start()
     writer.close()
     child.join(timeout_s)
@@ -213,10 +248,10 @@ def import_problem(target: str, timeout_s: float) -> str:
     return message
 
 
-def _import_child(target: str, writer) -> None:
+def _import_child(target: str, writer, key: str | None = None) -> None:
     try:
-        load_impl(target)
-        writer.send("")
+        obj = load_impl(target)
+        writer.send(interface_problem(key, obj) if key else "")
     except SystemExit as exc:
         writer.send(f"called sys.exit({exc.code!r}) while importing")
     except BaseException as exc:  # noqa: BLE001 - whatever the import does is the user's input

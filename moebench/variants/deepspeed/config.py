@@ -5,11 +5,20 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from moebench import bounds
+from moebench.bounds import Items, Number
 from moebench.config import (
+    MAX_EXPERTS,
+    MAX_HIDDEN,
+    MAX_LAYERS,
+    MAX_TOP_K,
+    MAX_WORLD_SIZE,
     LaunchConfig,
     ModelConfig,
     TrainConfig,
+    bounded,
     flag,
+    positive,
     require_choice,
     require_positive,
     require_positive_ints,
@@ -25,6 +34,11 @@ HANG_DEADLINE_FLOOR_S = 1800.0
 DEADLINE_S_PER_WEIGHT_STEP = 3e-7
 """Default --timeout grows by this per (weight x step): 4x the slowest rate measured (2.5 s per
 step of the chapter's ~36 M weights on 2 busy cores), so only longer runs get longer deadlines."""
+MAX_CAPACITY_FACTOR = 1e4
+"""A capacity factor beyond this only allocates: capacity is already every token at factor = experts."""
+CAPACITY_BOUND = Number(integer=False, min=0, above=True, max=MAX_CAPACITY_FACTOR, why="no drop long before")
+MAX_MIN_CAPACITY = 2**31 - 1
+"""DeepSpeed's capacity is a C int."""
 
 
 def parse_expert_counts(value) -> tuple[int, ...]:
@@ -45,17 +59,19 @@ def parse_expert_counts(value) -> tuple[int, ...]:
 class DeepSpeedMoEConfig:
     """deepspeed.moe.layer.MoE: TopKGate with capacity, noisy gating, residual expert, expert parallel."""
 
-    experts: tuple[int, ...] = dataclasses.field(metadata=flag(metavar="N[,N...]"))
+    experts: tuple[int, ...] = dataclasses.field(metadata=flag(metavar="N[,N...]", bound=Items(
+        item=positive(MAX_EXPERTS, "512x Switch's 2048"), max_items=MAX_LAYERS, example="4,8", unique=False)))
     """Experts per MoE layer, over all ranks; deepspeed variant: one count per layer for a pyramid (4,8)."""
-    d_hidden: int
+    d_hidden: int = dataclasses.field(metadata=bounded(positive(MAX_HIDDEN, "4x the --d-model bound")))
     """Hidden width of each expert's MLP."""
-    top_k: int
+    top_k: int = dataclasses.field(metadata=bounded(positive(MAX_TOP_K, "and at most --experts")))
     """Experts each token is sent to."""
-    capacity_factor: float
+    capacity_factor: float = dataclasses.field(metadata=bounded(CAPACITY_BOUND))
     """deepspeed variant: training capacity factor (each expert takes ceil(tokens/experts x factor x k))."""
-    eval_capacity_factor: float
+    eval_capacity_factor: float = dataclasses.field(metadata=bounded(CAPACITY_BOUND))
     """deepspeed variant: capacity factor in eval mode (the test batch)."""
-    min_capacity: int
+    min_capacity: int = dataclasses.field(metadata=bounded(Number(integer=True, min=0, max=MAX_MIN_CAPACITY,
+                                                                  why="a C int; 0: no floor")))
     """deepspeed variant: lower bound on every expert's capacity."""
     noisy_gate_policy: str = dataclasses.field(metadata=flag(choices=NOISY_GATE_POLICIES))
     """deepspeed variant: none, Jitter (input noise) or RSample (Gumbel noise; top-k 1 only)."""
@@ -65,7 +81,7 @@ class DeepSpeedMoEConfig:
     """deepspeed variant: drop tokens beyond capacity."""
     use_rts: bool
     """deepspeed variant: Random Token Selection when dropping."""
-    ep_size: int
+    ep_size: int = dataclasses.field(metadata=bounded(positive(MAX_WORLD_SIZE, "at most --world-size")))
     """deepspeed variant: expert-parallel ranks; divides --world-size and every expert count."""
 
     def __post_init__(self) -> None:
@@ -88,15 +104,19 @@ class DeepSpeedMoEConfig:
                             "--use-rts": self.use_rts}.items():
             if not isinstance(value, bool):
                 raise UserError(f"must be true or false, got {value!r}", flag=name)
+        bounds.check_fields(self)
 
 
 @dataclasses.dataclass(kw_only=True)
 class EngineConfig:
     """deepspeed.initialize: ZeRO, a user's DeepSpeed JSON, and whether JIT-built ops may run."""
 
-    zero_stage: int
+    zero_stage: int = dataclasses.field(metadata=bounded(Number(
+        integer=True, min=0, max=3, refusal="unknown ZeRO stage {value} (DeepSpeed has stages 0-3); "
+        "use --zero-stage 0, 1 or 2")))
     """deepspeed variant: ZeRO stage 0, 1 or 2 (DeepSpeed's MoE has no stage 3)."""
-    ds_config: str | None = dataclasses.field(default=None, metadata=flag(metavar="FILE"))
+    ds_config: str | None = dataclasses.field(default=None, metadata=flag(
+        metavar="FILE", bound=bounds.Path(folder=False, must_exist=True)))
     """deepspeed variant: a DeepSpeed JSON config merged under the flags."""
     compiled_ops: bool = False
     """deepspeed variant: allow DeepSpeed's JIT-built ops (shm comm, FusedAdam): minutes on first use."""
@@ -113,6 +133,7 @@ class EngineConfig:
                             "use --zero-stage 0, 1 or 2", flag="--zero-stage")
         if self.ds_config is not None and not str(self.ds_config).strip():
             raise UserError("is empty; give a DeepSpeed JSON file or leave the flag out", flag="--ds-config")
+        bounds.check_fields(self)
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -5,7 +5,20 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from moebench.config import LaunchConfig, ModelConfig, TrainConfig, flag, require_choice, require_positive_ints
+from moebench import bounds
+from moebench.config import (
+    MAX_EXPERTS,
+    MAX_HIDDEN,
+    MAX_TOP_K,
+    LaunchConfig,
+    ModelConfig,
+    TrainConfig,
+    bounded,
+    flag,
+    positive,
+    require_choice,
+    require_positive_ints,
+)
 from moebench.errors import UserError
 
 MOE_IMPLS = ("auto", "fmoe", "reference")
@@ -25,11 +38,11 @@ DEADLINE_S_PER_WEIGHT_STEP = 6e-7
 class FastMoEConfig:
     """fastmoe's FMoETransformerMLP: experts split over the ranks, a gate picking top-k of them."""
 
-    experts: int
+    experts: int = dataclasses.field(metadata=bounded(positive(MAX_EXPERTS, "512x Switch's 2048")))
     """Experts per MoE layer, over all ranks."""
-    d_hidden: int
+    d_hidden: int = dataclasses.field(metadata=bounded(positive(MAX_HIDDEN, "4x the --d-model bound")))
     """Hidden width of each expert's MLP."""
-    top_k: int
+    top_k: int = dataclasses.field(metadata=bounded(positive(MAX_TOP_K, "and at most --experts")))
     """Experts each token is sent to."""
     gate: str = dataclasses.field(metadata=flag(choices=GATE_NAMES))
     """fastmoe variant: naive, gshard (top-k 2), switch (top-k 1) or noisy."""
@@ -38,6 +51,7 @@ class FastMoEConfig:
 
     def __post_init__(self) -> None:
         require_positive_ints({"--experts": self.experts, "--d-hidden": self.d_hidden, "--top-k": self.top_k})
+        bounds.check_fields(self)
         require_choice(self.gate, GATE_NAMES, "--gate")
         require_choice(self.moe_impl, MOE_IMPLS, "--moe-impl")
         if self.top_k > self.experts:
