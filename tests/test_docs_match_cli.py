@@ -359,13 +359,17 @@ def _examples(command: str) -> list[str]:
 
 
 @pytest.mark.parametrize("command", LEAF_COMMANDS)
-def test_every_command_has_examples_that_parse(command):
+def test_every_command_has_examples_that_parse(command, tmp_path, monkeypatch):
     import shlex
 
     cmd = commands()[command]
+    monkeypatch.chdir(tmp_path)  # run folders an example names exist here (RUN is checked while parsing)
     for example in _examples(command):
         code = re.split(r"\s{2,}", example)[0].split(" > ")[0]  # without its description or a redirect
         words = shlex.split(code)
+        for word in words:
+            if word.startswith("results/"):
+                (tmp_path / word).mkdir(parents=True, exist_ok=True)
         assert " ".join(words[1:]).startswith(command), example
         cmd.make_context(command, words[1 + len(command.split()):])  # a bad flag or value raises
     examples = _help(command).split("Examples:", 1)[1].splitlines()

@@ -66,7 +66,7 @@ def test_a_world_size_that_contradicts_the_launcher_is_refused(tmp_path, command
     out = _cli(*command, "-n", "4", "--results-dir", str(tmp_path), env=LAUNCHED)
     assert out.returncode == 2, out.stderr
     (line,) = out.stderr.strip().splitlines()
-    assert line.startswith("error: --world-size: asks for 4 ranks") and "job of 2" in line, line
+    assert line.startswith("error: -n/--world-size: asks for 4 ranks") and "job of 2" in line, line
     assert "--nproc-per-node 4" in line
     assert not any(tmp_path.iterdir())
     if command == ["run", "fastmoe"]:  # the other rank refuses too, silently (after a grace): rank 0 speaks
@@ -116,7 +116,7 @@ def test_ctrl_c_names_the_run_folder_it_marked(tmp_path):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("args,reason", [
-    (["run", "fastmoe", "-n", "4"], "error: --world-size: asks for 4 ranks, but this process is one rank of a "
+    (["run", "fastmoe", "-n", "4"], "error: -n/--world-size: asks for 4 ranks, but this process is one rank of a "
                                      "launched job of 2"),
     (["bench", "--quick"], "error: bench times one process"),
 ])
