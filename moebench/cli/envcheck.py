@@ -67,9 +67,9 @@ def env_check(
     elif report:
         typer.echo(render.bug_report_block(outcome))
     else:
-        from rich.console import Console
+        from moebench.console import terminal_console
 
-        console = Console(highlight=False, width=None if Console().is_terminal else 160)
+        console = terminal_console()
         render.print_report(outcome, console)
         console.print(f"saved {outcome.results_path}", style="dim")
     raise typer.Exit(code)

@@ -33,50 +33,77 @@ def _list(as_json: bool) -> None:
     table.add_column("name", no_wrap=True)
     for col in ("seed", "ranks", "--impl", "asserts"):
         table.add_column(col)
+    # narrower terminals: what each check asserts, with its seed, ranks and --impl keys beneath
+    stacked = Table(box=box.SIMPLE_HEAD, title="verify-parity checks", pad_edge=False)
+    stacked.add_column("name", no_wrap=True)
+    stacked.add_column("asserts (seed; ranks; --impl keys)", overflow="fold")
     for c in checks:
         sizes = f">= {c.min_world_size}" + (f", <= {c.max_world_size}" if c.max_world_size else "")
         table.add_row(c.name, escape(c.seed_source), sizes, ",".join(c.impl_keys), escape(c.description))
+        keys = f"; --impl {','.join(c.impl_keys)}" if c.impl_keys else ""
+        stacked.add_row(c.name, f"{escape(c.description)}\n[dim]seed: {escape(c.seed_source)}; ranks {sizes}{keys}[/]",
+                        end_section=True)
     console = _console()
-    console.print(table)
+    from moebench.console import print_fitting
+
+    print_fitting(console, table, stacked)
     for module, error in IMPORT_ERRORS.items():
         console.print(f"[yellow]check module {module} did not import: {error.strip().splitlines()[-1]}[/]")
 
 
 def _console():
-    from rich.console import Console
+    from moebench.console import terminal_console
 
-    console = Console()
-    if not console.is_terminal:  # piped / captured: do not squeeze the table into 80 columns
-        console = Console(width=120)
-    return console
+    return terminal_console()
 
 
 def _fmt(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.1e}"
 
 
-def _print_table(summary: dict) -> None:
+def _vacuous(c: dict, narrow: bool = False) -> str:
+    vac = f"[yellow]{c['vacuous']} VACUOUS[/]" if c["vacuous"] else "0"
+    if not c.get("unasserted"):
+        return vac
+    return vac + (f"\n{c['unasserted']} unasserted" if narrow else f" ({c['unasserted']} unasserted)")
+
+
+def _tables(summary: dict):
+    """The checks' table, one line per check; then, for a narrower terminal, two lines per check (max
+    abs over max rel, rtol over atol). Numbers are never wrapped or cut: a terminal too narrow for the
+    second folds the check names."""
     from rich import box
     from rich.table import Table
 
-    console = _console()
-    table = Table(
-        box=box.SIMPLE_HEAD,
-        title=f"verify-parity: {summary['world_size']} rank(s), {summary['comm_backend']}, "
-        f"tolerance {summary['tolerance']}",
-    )
-    table.add_column("check", no_wrap=True)
-    for col in ("result", "max abs", "max rel", "rtol/atol", "magnitude", "vacuous", "time"):
-        table.add_column(col)
+    title = (f"verify-parity: {summary['world_size']} rank(s), {summary['comm_backend']}, "
+             f"tolerance {summary['tolerance']}")
     colour = {"pass": "green", "fail": "red", "skip": "yellow"}
+    wide = Table(box=box.SIMPLE_HEAD, title=title, pad_edge=False)
+    narrow = Table(box=box.SIMPLE_HEAD, title=title, pad_edge=False, collapse_padding=True)
+    wide.add_column("check", no_wrap=True)
+    narrow.add_column("check", overflow="fold")
+    for table, columns in ((wide, ("result", "max abs", "max rel", "rtol/atol", "magnitude", "vacuous", "time")),
+                           (narrow, ("result", "max abs\nmax rel", "rtol\natol", "magnitude", "vacuous", "time"))):
+        for col in columns:
+            wraps = col == "vacuous" and table is narrow  # "3 VACUOUS", "2 unasserted" on two lines
+            table.add_column(col, no_wrap=not wraps, max_width=12 if wraps else None,
+                             justify="left" if col in ("result", "vacuous") else "right")
     for c in summary["checks"]:
-        vac = f"[yellow]{c['vacuous']} VACUOUS[/]" if c["vacuous"] else "0"
-        if c.get("unasserted"):
-            vac += f" ({c['unasserted']} unasserted)"
-        table.add_row(c["name"], f"[{colour[c['status']]}]{c['status']}[/]", _fmt(c["max_abs_diff"]),
-                      _fmt(c["max_rel_diff"]), c["tolerance"] or "-", _fmt(c["magnitude"]), vac,
-                      f"{c['elapsed_s']:.1f}s")
-    console.print(table)
+        status = f"[{colour[c['status']]}]{c['status']}[/]"
+        elapsed = f"{c['elapsed_s']:.1f}s"
+        wide.add_row(c["name"], status, _fmt(c["max_abs_diff"]), _fmt(c["max_rel_diff"]), c["tolerance"] or "-",
+                     _fmt(c["magnitude"]), _vacuous(c), elapsed)
+        narrow.add_row(c["name"], status, f"{_fmt(c['max_abs_diff'])}\n{_fmt(c['max_rel_diff'])}",
+                       "\n".join((c["tolerance"] or "-").split("/")), _fmt(c["magnitude"]), _vacuous(c, True),
+                       elapsed)
+    return wide, narrow
+
+
+def _print_table(summary: dict) -> None:
+    from moebench.console import print_fitting
+
+    console = _console()
+    print_fitting(console, *_tables(summary))
     for c in summary["checks"]:
         if c["reason"] and (c["status"] != "pass" or c.get("unasserted_outside")):
             console.print(f"[bold]{c['name']}[/] ({c['status']}):", highlight=False)
