@@ -8,13 +8,13 @@ import typer
 
 # typer >= 0.29 vendors click; its usage errors live here (pyproject pins typer>=0.29)
 from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
-from typer.core import TyperGroup
 
 from moebench import __version__, signals
+from moebench.cli.help import CONTEXT_SETTINGS, WholeSentenceGroup
 from moebench.errors import RunFailed, UserError
 
 
-class _Group(TyperGroup):
+class _Group(WholeSentenceGroup):
     """Root group: the one place errors meant for users become messages and exit codes.
 
     - UserError (bad input) and flag-parsing errors -> one line `error: ...`, exit 2;
@@ -68,6 +68,7 @@ app = typer.Typer(
     help="Reproduce and verify the Mixture-of-Experts experiments of chapter 6 "
     "(fastmoe and DeepSpeed-MoE in a Transformer), on CPU or GPU.",
     no_args_is_help=True,
+    context_settings=CONTEXT_SETTINGS,
     pretty_exceptions_enable=False,
     add_completion=False,
     rich_markup_mode=None,  # plain click help: wraps at any width, no <bool> placeholders

@@ -11,9 +11,10 @@ from moebench import config as config_tree
 from moebench import variants
 from moebench.cli import flags
 from moebench.cli.common import run_and_report
+from moebench.cli.help import WholeSentenceGroup
 
 app = typer.Typer(help="Train a Transformer-MoE variant on random data and record the results.",
-                  no_args_is_help=True)
+                  no_args_is_help=True, cls=WholeSentenceGroup)
 
 
 @app.callback(invoke_without_command=True)
