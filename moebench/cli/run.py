@@ -73,16 +73,16 @@ def run_variant_command(variant, preset, overrides, *, show_config: bool, force:
 
 
 def _print_report(variant, summary: dict, run_path) -> None:
-    from rich.console import Console
-
     from moebench import report
     from moebench.cli.common import params_table
+    from moebench.console import print_fitting, terminal_console
 
-    console = Console(highlight=False)
+    console = terminal_console()
     params = summary["params"]
     console.print(params_table({"total": params["total"], **params["by_category"]},
                                f"parameters ({summary['moe_impl']}, ep_size {params['ep_size']})"))
-    console.print(report.comparison_table(summary["chapter_comparison"], f"measured vs chapter 6 ({variant.name})"))
+    rows, title = summary["chapter_comparison"], f"measured vs chapter 6 ({variant.name})"
+    print_fitting(console, report.comparison_table(rows, title), report.comparison_table(rows, title, stacked=True))
     steady = summary.get("tokens_per_s_steady")
     console.print(f"moe_impl {summary['moe_impl']}; loss per epoch: "
                   + ", ".join(f"{v:.6f}" for v in summary["epoch_loss"][:8])
