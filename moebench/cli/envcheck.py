@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Optional
 
 import typer
@@ -52,8 +53,9 @@ def env_check(
 
     from moebench.envcheck import render, run_all
 
+    started = time.time()
     outcome = run_all(probe=not no_probe, probe_timeout_s=probe_timeout)
-    run = results.RunDir.create("env", root=root)
+    run = results.RunDir.create("env", root=root, started=started)  # its wall time is the checks' time
     outcome.results_path = str(run.path / REPORT_FILE)
     document = outcome.to_dict()
     run.write_json(REPORT_FILE, document)
