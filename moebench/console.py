@@ -42,12 +42,12 @@ ELLIPSIS = "…"
 """What rich puts where it cuts a cell that does not fit: a table showing it cut a number."""
 
 
-def terminal_console():
+def terminal_console(stderr: bool = False):
     """A rich Console as wide as the terminal it prints to; piped, as wide as $COLUMNS, else 80 (rich's
     rules). Never a hard-coded width: every table is laid out for the width the user has."""
     from rich.console import Console
 
-    return Console(highlight=False)
+    return Console(highlight=False, stderr=stderr)
 
 
 def fits(console, renderable) -> bool:

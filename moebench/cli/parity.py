@@ -68,7 +68,7 @@ def _vacuous(c: dict, narrow: bool = False) -> str:
     return vac + (f"\n{c['unasserted']} unasserted" if narrow else f" ({c['unasserted']} unasserted)")
 
 
-def _tables(summary: dict):
+def _tables(summary: dict, width: int):
     """The checks' table, one line per check; then, for a narrower terminal, two lines per check (max
     abs over max rel, rtol over atol). Numbers are never wrapped or cut: a terminal too narrow for the
     second folds the check names."""
@@ -96,14 +96,42 @@ def _tables(summary: dict):
         narrow.add_row(c["name"], status, f"{_fmt(c['max_abs_diff'])}\n{_fmt(c['max_rel_diff'])}",
                        "\n".join((c["tolerance"] or "-").split("/")), _fmt(c["magnitude"]), _vacuous(c, True),
                        elapsed)
-    return wide, narrow
+    return wide, narrow, _blocks(summary, title, colour, width)
+
+
+def _blocks(summary: dict, title: str, colour: dict, width: int):
+    """Narrowest: a block per check, `name  status  time` then its figures as `label value` pairs that
+    wrap between pairs, never inside one."""
+    from rich.console import Group
+    from rich.text import Text
+
+    out = [Text(title, style="bold")]
+    for c in summary["checks"]:
+        head = Text(c["name"], style="bold")
+        head.append(f"  {c['status']}", style=colour[c["status"]])
+        head.append(f"  {c['elapsed_s']:.1f}s")
+        rtol, _, atol = (c["tolerance"] or "-/-").partition("/")
+        pairs = [f"max abs {_fmt(c['max_abs_diff'])}", f"max rel {_fmt(c['max_rel_diff'])}", f"rtol {rtol}",
+                 f"atol {atol or rtol}", f"magnitude {_fmt(c['magnitude'])}",
+                 f"{c['vacuous']} VACUOUS" if c["vacuous"] else "vacuous 0"]
+        if c.get("unasserted"):
+            pairs.append(f"{c['unasserted']} unasserted")
+        out.append(head)
+        line = ""
+        for pair in pairs:
+            if line and len(line) + 3 + len(pair) > width:
+                out.append(Text(line))
+                line = ""
+            line = f"{line}   {pair}" if line else f"  {pair}"
+        out.append(Text(line))
+    return Group(*out)
 
 
 def _print_table(summary: dict) -> None:
     from moebench.console import print_fitting
 
     console = _console()
-    print_fitting(console, *_tables(summary))
+    print_fitting(console, *_tables(summary, console.width))
     for c in summary["checks"]:
         if c["reason"] and (c["status"] != "pass" or c.get("unasserted_outside")):
             console.print(f"[bold]{c['name']}[/] ({c['status']}):", highlight=False)

@@ -67,7 +67,9 @@ def run_variant_command(variant, preset, overrides, *, show_config: bool, force:
         return
     resources.require_fits(config, force=force)
     if is_printer() and not as_json:
-        typer.echo(variant.headline(config), err=True)
+        from moebench.console import terminal_console
+
+        terminal_console(stderr=True).print(variant.headline(config), markup=False)  # wrapped at words
     run_and_report(lambda: train.run_variant(variant, config, results_root=results_dir, show_progress=not as_json),
                    as_json=as_json, print_report=lambda summary, run_path: _print_report(variant, summary, run_path))
 

@@ -41,7 +41,7 @@ def runs(
         if kind not in known:
             raise UserError(f"unknown kind {kind}; expected one of {', '.join(known)}", flag="--kind")
     rows = [_row(name, run) for name in ([kind] if kind else present) for run in results.latest_runs(name, root)]
-    rows.sort(key=lambda r: r["run_id"], reverse=True)  # run ids start with their start time
+    rows.sort(key=lambda r: (r["started_at"] or "", r["run_id"]), reverse=True)
     if as_json:
         typer.echo(json.dumps({"runs": rows}, indent=2))
         return
