@@ -50,7 +50,7 @@ def runs(
         return
     from moebench.console import terminal_console
 
-    typer.echo("\n".join(listing(rows, root, terminal_console().width)))
+    typer.echo("\n".join(listing(rows, root, terminal_console().width, kind)))
 
 
 def known_kinds() -> list[str]:
@@ -103,11 +103,11 @@ NARROW = ("kind", "run id", "status", "final loss", "wall")
 """First line of a run on a narrower terminal; a second line under the run id says the rest."""
 
 
-def listing(rows: list[dict], root, width: int) -> list[str]:
+def listing(rows: list[dict], root, width: int, kind: str | None = None) -> list[str]:
     """The runs as lines at most `width` wide when they can be: one line per run if every column fits,
     else two (start, preset, ranks and launcher on the second). Nothing is cut."""
     cells = [_cells(r) for r in rows]
-    head = [f"{len(rows)} run(s) under {root}, newest first"]
+    head = [f"{len(rows)} {kind + ' ' if kind else ''}run(s) under {root}, newest first"]
     line = _table(WIDE, cells)
     if max(len(s) for s in line) <= width:
         return head + line
