@@ -68,35 +68,43 @@ def _vacuous(c: dict, narrow: bool = False) -> str:
     return vac + (f"\n{c['unasserted']} unasserted" if narrow else f" ({c['unasserted']} unasserted)")
 
 
-def _tables(summary: dict, width: int):
-    """The checks' table, one line per check; then, for a narrower terminal, two lines per check (max
-    abs over max rel, rtol over atol). Numbers are never wrapped or cut: a terminal too narrow for the
-    second folds the check names."""
-    from rich import box
-    from rich.table import Table
-
+def _tables(summary: dict, width: int) -> list:
+    """Layouts of the checks' table, widest first: one line per check; the same without the vacuous
+    column when no comparison is vacuous (the closing line says "0 vacuous"); two lines per check (max
+    abs over max rel, rtol over atol); a block per check. Numbers are never wrapped or cut."""
     title = (f"verify-parity: {summary['world_size']} rank(s), {summary['comm_backend']}, "
              f"tolerance {summary['tolerance']}")
     colour = {"pass": "green", "fail": "red", "skip": "yellow"}
-    wide = Table(box=box.SIMPLE_HEAD, title=title, pad_edge=False)
-    narrow = Table(box=box.SIMPLE_HEAD, title=title, pad_edge=False, collapse_padding=True)
-    wide.add_column("check", no_wrap=True)
-    narrow.add_column("check", overflow="fold")
-    for table, columns in ((wide, ("result", "max abs", "max rel", "rtol/atol", "magnitude", "vacuous", "time")),
-                           (narrow, ("result", "max abs\nmax rel", "rtol\natol", "magnitude", "vacuous", "time"))):
-        for col in columns:
-            wraps = col == "vacuous" and table is narrow  # "3 VACUOUS", "2 unasserted" on two lines
-            table.add_column(col, no_wrap=not wraps, max_width=12 if wraps else None,
-                             justify="left" if col in ("result", "vacuous") else "right")
+    nothing_vacuous = not any(c["vacuous"] or c.get("unasserted") for c in summary["checks"])
+    layouts = [_table(summary, title, colour, stacked=False, vacuous=True)]
+    if nothing_vacuous:
+        layouts.append(_table(summary, title, colour, stacked=False, vacuous=False))
+    return layouts + [_table(summary, title, colour, stacked=True, vacuous=True),
+                      _blocks(summary, title, colour, width)]
+
+
+def _table(summary: dict, title: str, colour: dict, *, stacked: bool, vacuous: bool):
+    from rich import box
+    from rich.table import Table
+
+    table = Table(box=box.SIMPLE_HEAD, title=title, pad_edge=False, collapse_padding=True, show_edge=False)
+    table.add_column("check", no_wrap=not stacked, overflow="fold")
+    columns = ["result", "max abs\nmax rel" if stacked else "max abs", *([] if stacked else ["max rel"]),
+               "rtol\natol" if stacked else "rtol/atol", "magnitude", *(["vacuous"] if vacuous else []), "time"]
+    for col in columns:
+        wraps = col == "vacuous" and stacked  # "3 VACUOUS", "2 unasserted" on two lines
+        table.add_column(col, no_wrap=not wraps, max_width=12 if wraps else None,
+                         justify="left" if col in ("result", "vacuous") else "right")
     for c in summary["checks"]:
         status = f"[{colour[c['status']]}]{c['status']}[/]"
-        elapsed = f"{c['elapsed_s']:.1f}s"
-        wide.add_row(c["name"], status, _fmt(c["max_abs_diff"]), _fmt(c["max_rel_diff"]), c["tolerance"] or "-",
-                     _fmt(c["magnitude"]), _vacuous(c), elapsed)
-        narrow.add_row(c["name"], status, f"{_fmt(c['max_abs_diff'])}\n{_fmt(c['max_rel_diff'])}",
-                       "\n".join((c["tolerance"] or "-").split("/")), _fmt(c["magnitude"]), _vacuous(c, True),
-                       elapsed)
-    return wide, narrow, _blocks(summary, title, colour, width)
+        tolerance = c["tolerance"] or "-"
+        if stacked:
+            diffs = [f"{_fmt(c['max_abs_diff'])}\n{_fmt(c['max_rel_diff'])}", "\n".join(tolerance.split("/"))]
+        else:
+            diffs = [_fmt(c["max_abs_diff"]), _fmt(c["max_rel_diff"]), tolerance]
+        table.add_row(c["name"], status, *diffs, _fmt(c["magnitude"]), *([_vacuous(c, stacked)] if vacuous else []),
+                      f"{c['elapsed_s']:.1f}s")
+    return table
 
 
 def _blocks(summary: dict, title: str, colour: dict, width: int):
