@@ -328,3 +328,21 @@ def test_runs_unknown_kind_is_bad_input(root):
                            str(root)], capture_output=True, text=True, env=env, timeout=CLI_TIMEOUT_S)
     assert proc.returncode == 0 and proc.stdout.strip() == f"no deepspeed runs under {root}"
     assert not any(root.iterdir())
+
+
+def test_verify_parity_one_line_per_check_at_80_when_nothing_is_vacuous(monkeypatch, capsys):
+    from moebench.cli import parity
+
+    check = {"name": "replicate-bad-device-id", "status": "pass", "max_abs_diff": 1.5e-8, "max_rel_diff": 1.4e-3,
+             "tolerance": "1e-05/2e-07", "magnitude": 1.2, "vacuous": 0, "unasserted": 0, "elapsed_s": 12.4,
+             "reason": "", "unasserted_outside": 0}
+    summary = {"world_size": 2, "comm_backend": "gloo", "tolerance": "strict", "checks": [check],
+               "counts": {"pass": 1, "fail": 0, "skip": 0}, "vacuous_total": 0, "wall_time_s": 12.5,
+               "run_path": "results/parity/x"}
+    monkeypatch.setenv("COLUMNS", str(COLS))
+    parity._print_table(summary)
+    out = capsys.readouterr().out
+    assert_fits(out)
+    (row,) = [line for line in out.splitlines() if "replicate-bad-device-id" in line]
+    assert row.split() == ["replicate-bad-device-id", "pass", "1.5e-08", "1.4e-03", "1e-05/2e-07", "1.2e+00", "12.4s"]
+    assert "0 vacuous comparison(s)" in out
