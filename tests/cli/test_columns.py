@@ -346,3 +346,19 @@ def test_verify_parity_one_line_per_check_at_80_when_nothing_is_vacuous(monkeypa
     (row,) = [line for line in out.splitlines() if "replicate-bad-device-id" in line]
     assert row.split() == ["replicate-bad-device-id", "pass", "1.5e-08", "1.4e-03", "1e-05/2e-07", "1.2e+00", "12.4s"]
     assert "0 vacuous comparison(s)" in out
+
+
+# bench (plain text, 80 columns) --------------------------------------------------------------------
+
+
+def test_bench_text_wraps_long_lines_instead_of_cutting_numbers():
+    from moebench.bench.output import format_train
+
+    result = {"rates": {"gemm_flop_per_s": 123.4e9, "memory_bytes_per_s": 12.5e9},
+              "variants": [{"variant": "deepspeed", "preset": "chapter", "trainable_params": 273_123_456,
+                            "tokens_per_step": 204_800, "step_s": 12.345678, "optimizer": "torch.optim.Adam " * 6,
+                            "phases": []}]}
+    text = format_train(result)
+    assert_fits(text)
+    for number in ("123", "12.5", "273.1", "204800", "12346 ms"):
+        assert number in " ".join(text.split()), number
