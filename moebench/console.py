@@ -53,12 +53,13 @@ def terminal_console(stderr: bool = False):
 def fits(console, renderable) -> bool:
     """True when `renderable` prints at the console's width with nothing cut (no `…` that a wide
     rendering does not have) and no line wider than the console."""
+    from rich.cells import cell_len
     from rich.console import Console
 
     with console.capture() as narrow:
         console.print(renderable)
     text = narrow.get()
-    if any(len(line) > console.width for line in _plain(text).splitlines()):
+    if any(cell_len(line) > console.width for line in _plain(text).splitlines()):
         return False
     if ELLIPSIS not in text:
         return True
