@@ -20,6 +20,8 @@ ITEM_WIDTH = 21
 """Width of the item column: the longest titles ("nccl.h for building fastmoe") wrap, the rest align."""
 STATUS_WIDTH = 5
 """Width of the status column ("warn" and a space)."""
+GAP = 2
+"""Spaces between the item and what was found."""
 
 
 def lines(report: Report, width: int) -> list[Text]:
@@ -28,7 +30,7 @@ def lines(report: Report, width: int) -> list[Text]:
     `needs:` and `fix:` start lines of their own, each clause of a fix on its own line, so that a fix (a
     command to paste) is whole. What an ok item requires is in the JSON: at 80 columns it tripled the
     length."""
-    indent = STATUS_WIDTH + ITEM_WIDTH + 1
+    indent = STATUS_WIDTH + ITEM_WIDTH + GAP
     body = max(width - indent, 20)
     out: list[Text] = []
     for section in SECTIONS:
@@ -42,7 +44,7 @@ def lines(report: Report, width: int) -> list[Text]:
             for i in range(max(len(titles), len(found))):
                 line = Text(f"{c.status if i == 0 else '':<{STATUS_WIDTH}}",
                             style=_STYLE[c.status] if i == 0 else "")
-                line.append(f"{titles[i] if i < len(titles) else '':<{ITEM_WIDTH}} ", style="bold")
+                line.append(f"{titles[i] if i < len(titles) else '':<{ITEM_WIDTH + GAP}}", style="bold")
                 line.append(found[i] if i < len(found) else "")
                 line.rstrip()
                 out.append(line)
@@ -55,12 +57,17 @@ def lines(report: Report, width: int) -> list[Text]:
 
 
 def _wrap(text: str, width: int) -> list[str]:
-    """Word-wrapped lines; a word longer than a whole line (a path) starts a line and is split, never cut."""
+    """Word-wrapped lines; a word longer than a whole line (a path) starts a line and is split (after a
+    `/` where it can be), never cut."""
     import textwrap
 
     out = []
     for line in textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False) or [""]:
-        out += [line[i:i + width] for i in range(0, len(line), width)]
+        while len(line) > width:
+            cut = line.rfind("/", 1, width) + 1 or width
+            out.append(line[:cut])
+            line = line[cut:]
+        out.append(line)
     return out
 
 

@@ -99,12 +99,12 @@ def only_run(root: Path, kind: str) -> Path:
 
 
 def _env_check_numbers_and_words(text: str, root: Path) -> None:
-    from moebench.envcheck.render import ITEM_WIDTH, STATUS_WIDTH
+    from moebench.envcheck.render import GAP, ITEM_WIDTH, STATUS_WIDTH
 
     doc = json.loads((only_run(root, "env") / "envcheck.json").read_text())
     c = doc["counts"]
     assert f"{c['ok']} ok, {c['warn']} warn, {c['fail']} fail, {c['skip']} skip in {doc['elapsed_s']:.1f} s" in text
-    body = COLS - STATUS_WIDTH - ITEM_WIDTH - 1
+    body = COLS - STATUS_WIDTH - ITEM_WIDTH - GAP
     for check in doc["checks"]:
         for word in check["found"].split():
             if len(word) <= body:  # a longer word (a path) is split over lines, never cut
