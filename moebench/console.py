@@ -57,7 +57,7 @@ def fits(console, renderable) -> bool:
     from rich.console import Console
 
     with console.capture() as narrow:
-        console.print(renderable)
+        console.print(renderable, crop=False)  # a line rich would crop at the edge stays long: seen here
     text = narrow.get()
     if any(cell_len(line) > console.width for line in _plain(text).splitlines()):
         return False

@@ -38,11 +38,11 @@ def root():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def piped(*args: str, columns: int = COLS) -> str:
+def piped(*args: str, columns: int = COLS, cwd=None) -> str:
     """stdout + stderr of `moebench ARGS` with stdout a pipe and COLUMNS set."""
     env = dict(os.environ, COLUMNS=str(columns))
     proc = subprocess.run([sys.executable, "-m", "moebench", *args], capture_output=True, text=True, env=env,
-                          timeout=CLI_TIMEOUT_S)
+                          timeout=CLI_TIMEOUT_S, cwd=cwd)
     assert proc.returncode in (0, 1), proc.stderr
     return proc.stdout + proc.stderr
 
@@ -245,8 +245,18 @@ def test_run_closing_tables_fit_80_columns_in_a_terminal(root):
 
 
 def test_report_verdicts_fit(root):
-    assert_fits(piped("report", "--results-dir", str(root)))
-    assert_fits(in_pty("report", "--results-dir", str(root)))
+    """At 80 columns a claim beside its figures; at 60 (where rich cropped the figures at the edge) each
+    claim above its figures."""
+    from moebench.report.claims import format_published
+
+    (root / "r").mkdir()
+    for columns, text in ((COLS, in_pty("report", "--results-dir", str(root))),
+                          (60, piped("report", "--results-dir", "r", columns=60, cwd=root))):
+        assert_fits(text, columns)  # (at 60, results/ relative: the paths printed whole, to copy, fit too)
+        (run,) = sorted((root / "report").iterdir() if columns == COLS else (root / "r" / "report").iterdir())
+        for row in json.loads((run / "summary.json").read_text())["verdicts"]:
+            published = format_published(row["published"], row["unit"])  # beside its verdict, both whole
+            assert any(published in line and row["verdict"] in line for line in text.splitlines()), (columns, row)
 
 
 # --help ----------------------------------------------------------------------------------------------
