@@ -36,3 +36,49 @@ def stderr_to_devnull():
         os.dup2(saved, 2)
         os.close(saved)
         os.close(devnull)
+
+
+ELLIPSIS = "…"
+"""What rich puts where it cuts a cell that does not fit: a table showing it cut a number."""
+
+
+def terminal_console(stderr: bool = False):
+    """A rich Console as wide as the terminal it prints to; piped, as wide as $COLUMNS, else 80 (rich's
+    rules). Never a hard-coded width: every table is laid out for the width the user has."""
+    from rich.console import Console
+
+    return Console(highlight=False, stderr=stderr)
+
+
+def fits(console, renderable) -> bool:
+    """True when `renderable` prints at the console's width with nothing cut (no `…` that a wide
+    rendering does not have) and no line wider than the console."""
+    from rich.cells import cell_len
+    from rich.console import Console
+
+    with console.capture() as narrow:
+        console.print(renderable, crop=False)  # a line rich would crop at the edge stays long: seen here
+    text = narrow.get()
+    if any(cell_len(line) > console.width for line in _plain(text).splitlines()):
+        return False
+    if ELLIPSIS not in text:
+        return True
+    wide = Console(width=10_000, highlight=False, color_system=None)
+    with wide.capture() as full:
+        wide.print(renderable)
+    return text.count(ELLIPSIS) <= full.get().count(ELLIPSIS)
+
+
+def print_fitting(console, *layouts) -> None:
+    """Print the first of `layouts` (widest first) that fits the console whole; the last one anyway."""
+    for layout in layouts[:-1]:
+        if fits(console, layout):
+            console.print(layout)
+            return
+    console.print(layouts[-1])
+
+
+def _plain(text: str) -> str:
+    import re
+
+    return re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", text)

@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
+from moebench.distributed.env import launcher
+
 RESULTS_ENV = "MOEBENCH_RESULTS"
 """Environment variable that moves the results root (default: ./results)."""
 
@@ -135,14 +137,16 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
 class RunDir:
     """One run's folder. Create it only after the input has been validated."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, started: float | None = None) -> None:
         self.path = path
         self._metrics = None
-        self._started = time.time()
+        self._started = time.time() if started is None else started
 
     @classmethod
     def create(cls, kind: str, name: str = "", root: str | os.PathLike | None = None,
-               run_id: str | None = None) -> "RunDir":
+               run_id: str | None = None, started: float | None = None) -> "RunDir":
+        """`started` (time.time()): when the work began, for a command that creates its folder only once
+        the work is done (env-check); default now."""
         from moebench import signals
 
         check_root(root, kind)
@@ -155,7 +159,7 @@ class RunDir:
             from moebench.errors import UserError
 
             raise UserError(f"cannot create {path}: {exc.strerror or exc}", flag="--results-dir") from None
-        return cls(path)
+        return cls(path, started)
 
     @property
     def run_id(self) -> str:
@@ -187,7 +191,8 @@ class RunDir:
         """The keys every summary.json has, whatever its kind."""
         return {"kind": self.kind, "run_id": self.run_id, "run_path": str(self.path.absolute()), "status": status,
                 "started_at": datetime.datetime.fromtimestamp(self._started).isoformat(timespec="seconds"),
-                "wall_time_s": time.time() - self._started, "pid": os.getpid(), "host": socket.gethostname()}
+                "wall_time_s": time.time() - self._started, "pid": os.getpid(), "host": socket.gethostname(),
+                "launcher": launcher()}
 
     def start(self, summary: dict | None = None) -> None:
         self.write_json("summary.json", {**self._envelope(STATUS_RUNNING), **(summary or {})})

@@ -18,6 +18,7 @@ from moebench.bench.output import (
     format_train,
     plot,
     plot_expert_parallel,
+    wrapped,
 )
 
 
@@ -139,8 +140,8 @@ def format_targets(t: dict) -> str:
     if "flat" in t:
         for g in t["flat"]["lines"]:
             ideal = "" if g["ideal_growth"] is None else f" (ideal {100 * g['ideal_growth']:+.0f} %)"
-            lines.append(f"  per-token time E={g['experts'][0]}->{g['experts'][1]}, T={g['tokens']} k={g['top_k']}: "
-                         f"{100 * g['per_token_growth']:+.0f} %{ideal}"[:80])
+            lines += wrapped(f"  per-token time E={g['experts'][0]}->{g['experts'][1]}, T={g['tokens']} "
+                                    f"k={g['top_k']}: {100 * g['per_token_growth']:+.0f} %{ideal}")
         lines.append(f"  flat within {100 * t['flat']['target']:.0f} %: {'met' if t['flat']['met'] else 'missed'}")
     return "\n".join(lines)
 

@@ -15,7 +15,7 @@ def format_table(result: dict) -> str:
     for r in result["rows"]:
         head = f"{r['layer']:<19}{r['experts']:>4}{r['tokens']:>6}{r['top_k']:>2}"
         if r.get("skipped"):
-            lines.append(f"{head}  skipped: {r['skipped'].removeprefix('RuntimeError: ')}"[:80])
+            lines += wrapped(f"{head}  skipped: {r['skipped'].removeprefix('RuntimeError: ')}")
             continue
         spread = 100 * (r["max_s"] - r["min_s"]) / r["time_s"]
         lines.append(f"{head}{r['tokens_per_s']:>8.0f}{r['gflops']:>8.1f}{_num(r['vs_ideal'], 7)}"
@@ -24,10 +24,11 @@ def format_table(result: dict) -> str:
     for b in result["breakdown"]:
         p = b["point"]
         s = b["share"]
-        lines.append(f"ref E={p['experts']} T={p['tokens']} k={p['top_k']}: non-GEMM {100 * b['outside_gemm']:.0f}%"
-                     f" gate {100 * s['gate_topk']:.0f} sort {100 * s['sort_dispatch']:.0f}"
-                     f" comb {100 * s['combine']:.0f} gelu {100 * s['activation']:.0f}"
-                     f" other {100 * s['other']:.0f}"[:80])
+        lines += wrapped(f"ref E={p['experts']} T={p['tokens']} k={p['top_k']}: "
+                         f"non-GEMM {100 * b['outside_gemm']:.0f}% gate {100 * s['gate_topk']:.0f}"
+                         f" sort {100 * s['sort_dispatch']:.0f}"
+                         f" comb {100 * s['combine']:.0f} gelu {100 * s['activation']:.0f}"
+                         f" other {100 * s['other']:.0f}")
     lines.append(f"threads {result['threads']}, torch {result['torch']}, MB: peak resident memory of a call")
     return "\n".join(lines)
 
@@ -63,6 +64,18 @@ def _plain_log2_ticks(ax, values: list[int]) -> None:
     ax.minorticks_off()
 
 
+WIDTH = 80
+"""bench's plain-text tables are laid out for 80 columns."""
+
+
+def wrapped(line: str, indent: str = "    ") -> list[str]:
+    """`line` in lines of at most WIDTH, broken between words (a number is never cut)."""
+    import textwrap
+
+    return textwrap.wrap(line, WIDTH, subsequent_indent=indent, break_long_words=False,
+                         break_on_hyphens=False) or [""]
+
+
 def _num(v, width: int, digits: int = 2) -> str:
     return f"{v:>{width}.{digits}f}" if v is not None else f"{'-':>{width}}"
 
@@ -75,7 +88,7 @@ def format_expert_parallel(rows: list[dict]) -> str:
     for r in rows:
         head = f"{r['layer']:<17}{r['world_size']:>2}{r['experts']:>4}{r['tokens']:>6}{r['top_k']:>2}"
         if r.get("skipped"):
-            lines.append(f"{head}  skipped: {r['skipped']}"[:80])
+            lines += wrapped(f"{head}  skipped: {r['skipped']}")
             continue
         spread = 100 * (r["max_s"] - r["min_s"]) / r["time_s"]
         comm = 100 * r["comm_share"] if "comm_share" in r else None
@@ -105,12 +118,12 @@ def _work(amount: float, unit: str) -> str:
 
 def format_train(result: dict) -> str:
     rates = result["rates"]
-    lines = [f"training step, phase by phase (bounds: GEMM {rates['gemm_flop_per_s'] / 1e9:.0f} GFLOP/s, "
-             f"memory {rates['memory_bytes_per_s'] / 1e9:.1f} GB/s)"[:80]]
+    lines = wrapped(f"training step, phase by phase (bounds: GEMM {rates['gemm_flop_per_s'] / 1e9:.0f} GFLOP/s, "
+                    f"memory {rates['memory_bytes_per_s'] / 1e9:.1f} GB/s)")
     for v in result["variants"]:
-        lines.append(f"{v['variant']} --preset {v['preset']}: {v['trainable_params'] / 1e6:.1f} M trainable "
-                     f"parameters, {v['tokens_per_step']} tokens, step {1000 * v['step_s']:.0f} ms"[:80])
-        lines.append(f"  optimizer: {v['optimizer']}"[:80])
+        lines += wrapped(f"{v['variant']} --preset {v['preset']}: {v['trainable_params'] / 1e6:.1f} M trainable "
+                         f"parameters, {v['tokens_per_step']} tokens, step {1000 * v['step_s']:.0f} ms")
+        lines += wrapped(f"  optimizer: {v['optimizer']}")
         lines.append(f"  {'phase':<10}{'ms':>9}{'share':>7}{'work':>15}{'bound ms':>10}{'x bound':>9}")
         for p in v["phases"]:
             lines.append(f"  {p['phase']:<10}{1000 * p['time_s']:>9.1f}{100 * p['share']:>6.0f}%"

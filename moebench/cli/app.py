@@ -10,9 +10,9 @@ import typer
 
 # typer >= 0.29 vendors click; its usage errors live here (pyproject pins typer>=0.29)
 from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
-from typer.core import TyperGroup
 
 from moebench import __version__, bounds, signals
+from moebench.cli.help import CONTEXT_SETTINGS, WholeSentenceGroup
 from moebench.errors import Interrupted, RunFailed, UserError
 
 PEER_REFUSAL_GRACE_S = 3.0
@@ -21,7 +21,7 @@ refusing the same input, prints its error first (torchrun stops every rank at th
 rank 0 would otherwise print "interrupted" instead of the reason)."""
 
 
-class _Group(TyperGroup):
+class _Group(WholeSentenceGroup):
     """Root group: the one place errors meant for users become messages and exit codes.
 
     - UserError (bad input) and flag-parsing errors -> one line `error: ...`, exit 2;
@@ -102,6 +102,7 @@ app = typer.Typer(
     help="Reproduce and verify the Mixture-of-Experts experiments of chapter 6 "
     "(fastmoe and DeepSpeed-MoE in a Transformer), on CPU or GPU.",
     no_args_is_help=True,
+    context_settings=CONTEXT_SETTINGS,
     pretty_exceptions_enable=False,
     add_completion=False,
     rich_markup_mode=None,  # plain click help: wraps at any width, no <bool> placeholders

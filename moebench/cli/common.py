@@ -50,7 +50,7 @@ def params_table(params: dict, title: str):
 
     table = Table(title=title)
     table.add_column("category")
-    table.add_column("parameters", justify="right")
+    table.add_column("parameters", justify="right", no_wrap=True)
     for name, count in params.items():
         table.add_row(name, f"{count:,}  ({count / 1e6:,.3f} M)")
     return table

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Optional
 
 import typer
@@ -64,8 +65,9 @@ def env_check(
 
     from moebench.envcheck import render, run_all
 
+    started = time.time()
     outcome = run_all(probe=not no_probe, probe_timeout_s=probe_timeout)
-    run = results.RunDir.create("env", root=root)
+    run = results.RunDir.create("env", root=root, started=started)  # its wall time is the checks' time
     outcome.results_path = str(run.path / REPORT_FILE)
     document = outcome.to_dict()
     run.write_json(REPORT_FILE, document)
@@ -79,9 +81,9 @@ def env_check(
     elif report:
         typer.echo(render.bug_report_block(outcome))
     else:
-        from rich.console import Console
+        from moebench.console import terminal_console
 
-        console = Console(highlight=False, width=None if Console().is_terminal else 160)
+        console = terminal_console()
         render.print_report(outcome, console)
         console.print(f"saved {outcome.results_path}", style="dim")
     raise typer.Exit(code)

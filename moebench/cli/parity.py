@@ -51,50 +51,113 @@ def _list(as_json: bool) -> None:
     table.add_column("name", no_wrap=True)
     for col in ("seed", "ranks", "--impl", "asserts"):
         table.add_column(col)
+    # narrower terminals: what each check asserts, with its seed, ranks and --impl keys beneath
+    stacked = Table(box=box.SIMPLE_HEAD, title="verify-parity checks", pad_edge=False)
+    stacked.add_column("name", no_wrap=True)
+    stacked.add_column("asserts (seed; ranks; --impl keys)", overflow="fold")
     for c in checks:
         sizes = f">= {c.min_world_size}" + (f", <= {c.max_world_size}" if c.max_world_size else "")
         table.add_row(c.name, escape(c.seed_source), sizes, ",".join(c.impl_keys), escape(c.description))
+        keys = f"; --impl {','.join(c.impl_keys)}" if c.impl_keys else ""
+        stacked.add_row(c.name, f"{escape(c.description)}\n[dim]seed: {escape(c.seed_source)}; ranks {sizes}{keys}[/]",
+                        end_section=True)
     console = _console()
-    console.print(table)
+    from moebench.console import print_fitting
+
+    print_fitting(console, table, stacked)
     for module, error in IMPORT_ERRORS.items():
         console.print(f"[yellow]check module {module} did not import: {error.strip().splitlines()[-1]}[/]")
 
 
 def _console():
-    from rich.console import Console
+    from moebench.console import terminal_console
 
-    console = Console()
-    if not console.is_terminal:  # piped / captured: do not squeeze the table into 80 columns
-        console = Console(width=120)
-    return console
+    return terminal_console()
 
 
 def _fmt(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.1e}"
 
 
-def _print_table(summary: dict) -> None:
+def _vacuous(c: dict, narrow: bool = False) -> str:
+    vac = f"[yellow]{c['vacuous']} VACUOUS[/]" if c["vacuous"] else "0"
+    if not c.get("unasserted"):
+        return vac
+    return vac + (f"\n{c['unasserted']} unasserted" if narrow else f" ({c['unasserted']} unasserted)")
+
+
+def _tables(summary: dict, width: int) -> list:
+    """Layouts of the checks' table, widest first: one line per check; the same without the vacuous
+    column when no comparison is vacuous (the closing line says "0 vacuous"); two lines per check (max
+    abs over max rel, rtol over atol); a block per check. Numbers are never wrapped or cut."""
+    title = (f"verify-parity: {summary['world_size']} rank(s), {summary['comm_backend']}, "
+             f"tolerance {summary['tolerance']}")
+    colour = {"pass": "green", "fail": "red", "skip": "yellow"}
+    nothing_vacuous = not any(c["vacuous"] or c.get("unasserted") for c in summary["checks"])
+    layouts = [_table(summary, title, colour, stacked=False, vacuous=True)]
+    if nothing_vacuous:
+        layouts.append(_table(summary, title, colour, stacked=False, vacuous=False))
+    return layouts + [_table(summary, title, colour, stacked=True, vacuous=True),
+                      _blocks(summary, title, colour, width)]
+
+
+def _table(summary: dict, title: str, colour: dict, *, stacked: bool, vacuous: bool):
     from rich import box
     from rich.table import Table
 
-    console = _console()
-    table = Table(
-        box=box.SIMPLE_HEAD,
-        title=f"verify-parity: {summary['world_size']} rank(s), {summary['comm_backend']}, "
-        f"tolerance {summary['tolerance']}",
-    )
-    table.add_column("check", no_wrap=True)
-    for col in ("result", "max abs", "max rel", "rtol/atol", "magnitude", "vacuous", "time"):
-        table.add_column(col)
-    colour = {"pass": "green", "fail": "red", "skip": "yellow"}
+    table = Table(box=box.SIMPLE_HEAD, title=title, pad_edge=False, collapse_padding=True, show_edge=False)
+    table.add_column("check", no_wrap=not stacked, overflow="fold")
+    columns = ["result", "max abs\nmax rel" if stacked else "max abs", *([] if stacked else ["max rel"]),
+               "rtol\natol" if stacked else "rtol/atol", "magnitude", *(["vacuous"] if vacuous else []), "time"]
+    for col in columns:
+        wraps = col == "vacuous" and stacked  # "3 VACUOUS", "2 unasserted" on two lines
+        table.add_column(col, no_wrap=not wraps, max_width=12 if wraps else None,
+                         justify="left" if col in ("result", "vacuous") else "right")
     for c in summary["checks"]:
-        vac = f"[yellow]{c['vacuous']} VACUOUS[/]" if c["vacuous"] else "0"
-        if c.get("unasserted"):
-            vac += f" ({c['unasserted']} unasserted)"
-        table.add_row(c["name"], f"[{colour[c['status']]}]{c['status']}[/]", _fmt(c["max_abs_diff"]),
-                      _fmt(c["max_rel_diff"]), c["tolerance"] or "-", _fmt(c["magnitude"]), vac,
+        status = f"[{colour[c['status']]}]{c['status']}[/]"
+        tolerance = c["tolerance"] or "-"
+        if stacked:
+            diffs = [f"{_fmt(c['max_abs_diff'])}\n{_fmt(c['max_rel_diff'])}", "\n".join(tolerance.split("/"))]
+        else:
+            diffs = [_fmt(c["max_abs_diff"]), _fmt(c["max_rel_diff"]), tolerance]
+        table.add_row(c["name"], status, *diffs, _fmt(c["magnitude"]), *([_vacuous(c, stacked)] if vacuous else []),
                       f"{c['elapsed_s']:.1f}s")
-    console.print(table)
+    return table
+
+
+def _blocks(summary: dict, title: str, colour: dict, width: int):
+    """Narrowest: a block per check, `name  status  time` then its figures as `label value` pairs that
+    wrap between pairs, never inside one."""
+    from rich.console import Group
+    from rich.text import Text
+
+    out = [Text(title, style="bold")]
+    for c in summary["checks"]:
+        head = Text(c["name"], style="bold")
+        head.append(f"  {c['status']}", style=colour[c["status"]])
+        head.append(f"  {c['elapsed_s']:.1f}s")
+        rtol, _, atol = (c["tolerance"] or "-/-").partition("/")
+        pairs = [f"max abs {_fmt(c['max_abs_diff'])}", f"max rel {_fmt(c['max_rel_diff'])}", f"rtol {rtol}",
+                 f"atol {atol or rtol}", f"magnitude {_fmt(c['magnitude'])}",
+                 f"{c['vacuous']} VACUOUS" if c["vacuous"] else "vacuous 0"]
+        if c.get("unasserted"):
+            pairs.append(f"{c['unasserted']} unasserted")
+        out.append(head)
+        line = ""
+        for pair in pairs:
+            if line and len(line) + 3 + len(pair) > width:
+                out.append(Text(line))
+                line = ""
+            line = f"{line}   {pair}" if line else f"  {pair}"
+        out.append(Text(line))
+    return Group(*out)
+
+
+def _print_table(summary: dict) -> None:
+    from moebench.console import print_fitting
+
+    console = _console()
+    print_fitting(console, *_tables(summary, console.width))
     for c in summary["checks"]:
         if c["reason"] and (c["status"] != "pass" or c.get("unasserted_outside")):
             console.print(f"[bold]{c['name']}[/] ({c['status']}):", highlight=False)

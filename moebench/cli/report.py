@@ -61,7 +61,9 @@ def report(
     for kind, run in outcome.primary.items():  # say which runs were judged: never a silent choice
         if run is not None:
             typer.echo(f"{kind:<10} {run.run_id} ({run.status})")
-    console.print(verdict_table(outcome.rows))
+    from moebench.console import print_fitting
+
+    print_fitting(console, verdict_table(outcome.rows), verdict_table(outcome.rows, stacked=True))
     for line in not_run_reasons(outcome.rows):
         console.print(line)
     c = outcome.counts

@@ -11,9 +11,10 @@ from moebench import config as config_tree
 from moebench import variants
 from moebench.cli import flags
 from moebench.cli.common import run_and_report
+from moebench.cli.help import WholeSentenceGroup
 
 app = typer.Typer(help="Train a Transformer-MoE variant on random data and record the results.",
-                  no_args_is_help=True)
+                  no_args_is_help=True, cls=WholeSentenceGroup)
 
 
 @app.callback(invoke_without_command=True)
@@ -81,24 +82,26 @@ def run_variant_command(variant, preset, overrides, *, show_config: bool, force:
             typer.echo(json.dumps(config_tree.as_dict(config), indent=2))
         return
     if is_printer() and not as_json:
-        typer.echo(variant.headline(config), err=True)
+        from moebench.console import terminal_console
+
+        terminal_console(stderr=True).print(variant.headline(config), markup=False)  # wrapped at words
     run_and_report(lambda: train.run_variant(variant, config, results_root=results_dir, show_progress=not as_json),
                    as_json=as_json, print_report=lambda summary, run_path: _print_report(variant, summary, run_path))
 
 
 def _print_report(variant, summary: dict, run_path) -> None:
-    from rich.console import Console
-
     from moebench import report
     from moebench.cli.common import params_table
+    from moebench.console import print_fitting, terminal_console
 
-    console = Console(highlight=False)
+    console = terminal_console()
     params = summary["params"]
     console.print(params_table({"total": params["total"], **params["by_category"]},
                                f"parameters ({summary['moe_impl']}, ep_size {params['ep_size']})"))
     if summary.get("chapter_comparable", True):
-        console.print(report.comparison_table(summary["chapter_comparison"],
-                                              f"measured vs chapter 6 ({variant.name})"))
+        rows, title = summary["chapter_comparison"], f"measured vs chapter 6 ({variant.name})"
+        print_fitting(console, report.comparison_table(rows, title),
+                      report.comparison_table(rows, title, stacked=True))
     else:  # said once: a table of "-99.9 %" rows would compare two different experiments
         from moebench.report.chapter import note_lines
 

@@ -15,6 +15,10 @@ app = typer.Typer()
 
 KIND_BOUND = Name(what="kind")
 """--kind: a run kind's folder name (fastmoe, parity, ...): a name, not a path."""
+COMMAND_KINDS = ("env", "parity", "bench", "report")
+"""Kinds the commands other than `run` write (results/<kind>/); `run`'s are the variants' names."""
+GAP = "  "
+"""Between two columns of the listing."""
 
 
 EXAMPLES = """Examples:
@@ -26,12 +30,14 @@ EXAMPLES = """Examples:
 
 @app.command("runs", epilog=EXAMPLES)
 def runs(
-    kind: Optional[str] = flags.bounded_option(None, "--kind", bound=KIND_BOUND, metavar="KIND",
-                                               help="Only this kind (fastmoe, deepspeed, parity, env, ...)."),
+    kind: Optional[str] = flags.bounded_option(
+        None, "--kind", bound=KIND_BOUND, metavar="KIND",
+        help="Only this kind (fastmoe, deepspeed, parity, env, bench, report)."),
     results_dir: Optional[str] = flags.shared_option("results_dir"),
     as_json: bool = flags.shared_option("as_json"),
 ) -> None:
-    """List the runs under the results root: kind, run id, status, wall time."""
+    """List the runs under the results root, newest first: kind, run id, status, start, preset, ranks,
+    launcher, final loss, wall time."""
     from moebench import results
     from moebench.errors import UserError
 
@@ -40,22 +46,102 @@ def runs(
     if results_dir is not None and not results_dir.strip():
         raise UserError("is empty; pass a folder (or leave it out for ./results)", flag="--results-dir")
     root = results.results_root(results_dir)
-    kinds = [kind] if kind else sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
-    rows = []
-    for name in kinds:
-        for run in results.latest_runs(name, root):
-            try:
-                summary = results.read_json(run / "summary.json")
-            except (OSError, ValueError):
-                summary = {}
-            rows.append({"kind": name, "run_id": run.name, "status": results.status_of(run),
-                         "wall_time_s": summary.get("wall_time_s"), "run_path": str(run)})
+    present = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    if kind is not None and kind not in present:
+        known = sorted(set(known_kinds()) | set(present))
+        if kind not in known:
+            raise UserError(f"unknown kind {kind}; expected one of {', '.join(known)}", flag="--kind")
+    rows = [_row(name, run) for name in ([kind] if kind else present) for run in results.latest_runs(name, root)]
+    rows.sort(key=lambda r: (r["started_at"] or "", r["run_id"]), reverse=True)
     if as_json:
         typer.echo(json.dumps({"runs": rows}, indent=2))
         return
     if not rows:
-        typer.echo(f"no runs under {root}")
+        typer.echo(f"no {kind + ' ' if kind else ''}runs under {root}")
         return
-    for row in rows:
-        wall = "-" if row["wall_time_s"] is None else f"{row['wall_time_s']:.1f} s"
-        typer.echo(f"{row['kind']:<10} {row['run_id']:<36} {row['status']:<12} {wall:>9}")
+    from moebench.console import terminal_console
+
+    typer.echo("\n".join(listing(rows, root, terminal_console().width, kind)))
+
+
+def known_kinds() -> list[str]:
+    from moebench import variants
+
+    return [v.name for v in variants.VARIANTS] + list(COMMAND_KINDS)
+
+
+def _row(kind: str, run) -> dict:
+    """What the listing shows of one run folder (None where its files do not say)."""
+    from moebench import results
+
+    summary, config = _read(run / "summary.json"), _read(run / "config.json")
+    loss = summary.get("loss")
+    ranks = summary.get("world_size") or (config.get("launch") or {}).get("world_size")
+    if ranks is None and config.get("world_sizes"):  # bench: the world sizes it swept
+        ranks = ",".join(str(w) for w in config["world_sizes"])
+    return {"kind": kind, "run_id": run.name, "status": results.status_of(run),
+            "started_at": summary.get("started_at"), "wall_time_s": summary.get("wall_time_s"),
+            "preset": config.get("preset") if kind != "bench" or config.get("train") else None,
+            "world_size": ranks, "launcher": summary.get("launcher"),
+            "final_loss": loss.get("last") if isinstance(loss, dict) else None, "run_path": str(run)}
+
+
+def _read(path) -> dict:
+    from moebench import results
+
+    try:
+        document = results.read_json(path)
+    except (OSError, ValueError):
+        return {}
+    return document if isinstance(document, dict) else {}
+
+
+def _cells(row: dict) -> dict[str, str]:
+    wall, loss, started = row["wall_time_s"], row["final_loss"], row["started_at"]
+    return {"kind": row["kind"], "run id": row["run_id"], "status": row["status"],
+            "started": str(started).replace("T", " ") if started else "-",
+            "preset": row["preset"] or "-", "ranks": "-" if row["world_size"] is None else str(row["world_size"]),
+            "launcher": row["launcher"] or "-",
+            "final loss": f"{loss:.5g}" if isinstance(loss, (int, float)) else "-",
+            "wall": f"{wall:.1f} s" if isinstance(wall, (int, float)) else "-"}
+
+
+RIGHT = ("ranks", "final loss", "wall")
+"""Columns aligned right (numbers)."""
+WIDE = ("kind", "run id", "status", "started", "preset", "ranks", "launcher", "final loss", "wall")
+"""One line per run, when the terminal is wide enough."""
+NARROW = ("kind", "run id", "status", "final loss", "wall")
+"""First line of a run on a narrower terminal; a second line under the run id says the rest."""
+
+
+def listing(rows: list[dict], root, width: int, kind: str | None = None) -> list[str]:
+    """The runs as lines at most `width` wide when they can be: one line per run if every column fits,
+    else two (start, preset, ranks and launcher on the second). Nothing is cut."""
+    cells = [_cells(r) for r in rows]
+    head = [f"{len(rows)} {kind + ' ' if kind else ''}run(s) under {root}, newest first"]
+    line = _table(WIDE, cells)
+    if max(len(s) for s in line) <= width:
+        return head + line
+    out = _table(NARROW, cells)
+    indent = " " * (len(out[0]) - len(out[0].lstrip(" ")) + _width("kind", cells) + len(GAP))
+    lines = [out[0], indent + "started, preset, ranks, launcher"]
+    for row, first in zip(cells, out[1:]):
+        ranks = "" if row["ranks"] == "-" else "1 rank" if row["ranks"] == "1" else f"{row['ranks']} ranks"
+        rest = [row["started"], f"preset {row['preset']}" if row["preset"] != "-" else "", ranks,
+                f"via {row['launcher']}" if row["launcher"] != "-" else ""]
+        lines += [first, indent + ", ".join(p for p in rest if p)]
+    return head + lines
+
+
+def _width(column: str, cells: list[dict]) -> int:
+    return max([len(column)] + [len(c[column]) for c in cells])
+
+
+def _table(columns: tuple[str, ...], cells: list[dict]) -> list[str]:
+    widths = {c: _width(c, cells) for c in columns}
+
+    def line(values: dict) -> str:
+        return GAP.join(values[c].rjust(widths[c]) if c in RIGHT else values[c].ljust(widths[c])
+                        for c in columns).rstrip()
+
+    return [line({c: c for c in columns})] + [line(c) for c in cells]

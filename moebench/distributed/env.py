@@ -17,6 +17,18 @@ def is_launched_rank() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+LAUNCHERS = ("moebench", "torchrun", "external")
+"""Who started a run's ranks: moebench itself, torchrun, or another launcher (the `deepspeed` one)."""
+
+
+def launcher() -> str:
+    """One of LAUNCHERS for this process (torchrun sets TORCHELASTIC_RUN_ID; other launchers only
+    RANK / WORLD_SIZE)."""
+    if not is_launched_rank():
+        return "moebench"
+    return "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "external"
+
+
 def launched_world_size() -> int:
     return int(os.environ["WORLD_SIZE"])
 

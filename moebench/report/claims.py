@@ -125,14 +125,17 @@ def difference_text(row: dict) -> str:
     return text + (f" ({100 * (row['ratio'] - 1):+.1f} %)" if relative else "")
 
 
-def comparison_table(rows: list[dict], title: str):
-    """A rich Table of `compare` rows (differences shown, never hidden)."""
+def comparison_table(rows: list[dict], title: str, *, stacked: bool = False):
+    """A rich Table of `compare` rows (differences shown, never hidden). Numbers are never wrapped or
+    cut; `stacked` (for narrow terminals) puts the relative difference under the absolute one."""
     from rich.table import Table
 
     table = Table(title=title)
     for col in ("figure", "measured", "chapter", "difference", "chapter section"):
-        table.add_column(col, justify="right" if col in ("measured", "chapter", "difference") else "left")
+        number = col in ("measured", "chapter", "difference")
+        table.add_column(col, justify="right" if number else "left", no_wrap=number)
     for r in rows:
-        table.add_row(r["label"], format_number(r["measured"], r["unit"]),
-                      format_published(r["published"], r["unit"]), difference_text(r), r["section"])
+        difference = difference_text(r)
+        table.add_row(r["label"], format_number(r["measured"], r["unit"]), format_published(r["published"], r["unit"]),
+                      difference.replace(" (", "\n(") if stacked else difference, r["section"])
     return table

@@ -15,10 +15,24 @@ def _text(value, unit: str) -> str:
     return value if isinstance(value, str) else format_number(value, unit)
 
 
-def verdict_table(rows: list[dict]):
+def verdict_table(rows: list[dict], *, stacked: bool = False):
+    """`stacked` (a terminal too narrow for a claim beside its figures): each claim on a line of its own,
+    its figures on the next."""
     from rich import box
     from rich.table import Table
 
+    if stacked:
+        from rich.console import Group
+        from rich.text import Text
+
+        lines = [Text("chapter 6: verdicts", style="bold")]
+        for r in rows:
+            label = r["label"] if r["variant"] == "parity" else f"{r['variant']}: {r['label']}"
+            figures = Text(f"    measured {_text(r['measured'], r['unit'])}, "
+                           f"chapter {format_published(r['published'], r['unit'])}: ")
+            figures.append(r["verdict"], style=STYLE[r["verdict"]])
+            lines += [Text(label), figures]
+        return Group(*lines)
     table = Table(title="chapter 6: verdicts", title_style="bold", box=box.SIMPLE_HEAD, pad_edge=False)
     table.add_column("claim", overflow="fold", min_width=30)
     table.add_column("measured", justify="right", no_wrap=True)
