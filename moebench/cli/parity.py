@@ -9,7 +9,6 @@ import typer
 
 from moebench.cli import flags
 from moebench.distributed.env import is_printer as _is_printer
-from moebench.errors import UserError
 
 app = typer.Typer()
 
@@ -129,25 +128,14 @@ def verify_parity(
     import contextlib
 
     from moebench.console import stdout_to_stderr
-    from moebench.parity.registry import parse_impls
-    from moebench.parity.runner import ParityConfig
+    from moebench.parity.runner import parity_config
     from moebench.parity.runner import verify_parity as run
     from moebench.results import check_root
 
     check_root(results_dir, "parity")
-    names = tuple(n.strip() for n in checks.split(",") if n.strip()) if checks is not None else ()
-    if checks is not None and not names:
-        raise UserError("names no check; give check names (see --list) or leave the flag out", flag="--checks")
-    config = ParityConfig(
-        world_size=world_size,
-        checks=names,
-        timeout_s=timeout,
-        comm_backend=backend_old or comm_backend,
-        tolerance=tolerance,
-        impls=parse_impls(impl, timeout_s=timeout),
-        debug_collectives=debug_collectives,
-        seed=seed,
-    )
+    config = parity_config(world_size=world_size, checks=checks, timeout_s=timeout,
+                           comm_backend=backend_old or comm_backend, tolerance=tolerance, impls=impl,
+                           debug_collectives=debug_collectives, seed=seed)
 
     def progress(record) -> None:
         if _is_printer() and not as_json:

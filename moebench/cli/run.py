@@ -55,16 +55,15 @@ def _command(variant: variants.Variant):
 
 def run_variant_command(variant, preset, overrides, *, show_config: bool, force: bool, results_dir,
                         as_json: bool) -> None:
-    from moebench import resources, results, train
+    from moebench import train
     from moebench.distributed.env import is_printer
 
-    results.check_root(results_dir, variant.name)
-    config = variants.resolve_config(variant, preset, overrides)
+    config = variants.checked_config(variant, preset, overrides, results_dir=results_dir, force=force,
+                                     will_run=not show_config)
     if show_config:
         if is_printer():
             typer.echo(json.dumps(config_tree.as_dict(config), indent=2))
         return
-    resources.require_fits(config, force=force)
     if is_printer() and not as_json:
         typer.echo(variant.headline(config), err=True)
     run_and_report(lambda: train.run_variant(variant, config, results_root=results_dir, show_progress=not as_json),

@@ -16,7 +16,7 @@ import math
 import os
 import platform
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -25,7 +25,7 @@ from moebench.distributed.launch import launch, local_world_size, resolve_backen
 from moebench.errors import UserError
 from moebench.parity.compare import TOLERANCE_MODES, Comparison
 from moebench.parity.diagnose import summarise
-from moebench.parity.registry import Check, CheckOptions, SkipCheck, all_checks, load_all, select
+from moebench.parity.registry import Check, CheckOptions, SkipCheck, all_checks, load_all, parse_impls, select
 from moebench.results import STATUS_FAILED, STATUS_INTERRUPTED, STATUS_OK, RunDir
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -78,6 +78,28 @@ class ParityConfig:
                 raise UserError(f"no selected check uses {', '.join(unused)} (used by: "
                                 f"{', '.join(users) or 'no registered check'}); add one to --checks "
                                 "or drop the --impl", flag="--impl")
+
+
+def parity_config(*, world_size: int = 4, checks: str | Sequence[str] | None = None,
+                  timeout_s: float = DEFAULT_TIMEOUT_S, comm_backend: str = "auto", tolerance: str = "strict",
+                  impls: Sequence[str] | Mapping[str, str] = (), debug_collectives: bool = False,
+                  seed: int = 0) -> ParityConfig:
+    """A validated ParityConfig from what the CLI and the Python API take: `checks` as names or one
+    comma-separated string (None: all), `impls` as "KEY=module:attr" strings or {KEY: "module:attr"}
+    (each imported in a child process first). Bad input is a UserError naming the flag."""
+    if checks is None:
+        names: tuple[str, ...] = ()
+    else:
+        parts = checks.split(",") if isinstance(checks, str) else list(checks)
+        if not all(isinstance(n, str) for n in parts):
+            raise UserError(f"names checks by their names (strings), got {checks!r}", flag="--checks")
+        names = tuple(n.strip() for n in parts if n.strip())
+        if not names:
+            raise UserError("names no check; give check names (see --list) or leave the flag out", flag="--checks")
+    specs = [f"{key}={target}" for key, target in impls.items()] if isinstance(impls, Mapping) else list(impls)
+    return ParityConfig(world_size=world_size, checks=names, timeout_s=timeout_s, comm_backend=comm_backend,
+                        tolerance=tolerance, impls=parse_impls(specs, timeout_s=timeout_s),
+                        debug_collectives=debug_collectives, seed=seed)
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -70,6 +70,20 @@ def resolve_config(variant: Variant, preset: str | None, overrides: dict[tuple[s
     return variant.prepare(config)
 
 
+def checked_config(variant: Variant, preset: str | None, overrides: dict[tuple[str, ...], Any], *,
+                   results_dir: str | None = None, force: bool = False, will_run: bool = True) -> Any:
+    """Everything `run` checks before it writes anything, for the CLI and the Python API alike: the
+    results root is writable, the config resolves and validates, and (`will_run`) its memory
+    estimate fits unless `force`. Bad input is a UserError naming the flag."""
+    from moebench import resources, results
+
+    results.check_root(results_dir, variant.name)
+    config = resolve_config(variant, preset, overrides)
+    if will_run:
+        resources.require_fits(config, force=force)
+    return config
+
+
 def _registry() -> tuple[Variant, ...]:
     from moebench.variants.deepspeed import VARIANT as DEEPSPEED
     from moebench.variants.fastmoe import VARIANT as FASTMOE
