@@ -156,6 +156,10 @@ def verify_parity(
             typer.echo(json.dumps(_jsonable(summary), indent=2))
         else:
             _print_table(summary)
+            from moebench.parity.runner import tested_lines
+
+            for line in tested_lines(summary):
+                typer.echo(line)
         if summary.get("reason"):
             typer.echo(summary["reason"], err=True)
     raise typer.Exit(0 if summary["status"] == "ok" else 1)

@@ -142,6 +142,23 @@ class CheckRecord:
     diagnosis: dict | None = None
     """For a failed check: {name, sentence, details} summarised by parameter group and rank
     (e.g. "output right; gate/router wrong (1/1)"); each failed comparison has its own."""
+    user_impls: dict[str, str] = dataclasses.field(default_factory=dict)
+    """The implementations this check tested that are the user's (--impl), not moebench's:
+    {key: "module:attribute"}. Empty: moebench's own code was tested."""
+
+
+def tested_lines(summary: dict[str, Any]) -> list[str]:
+    """What was tested, for the console and the report: one line per --impl key that replaced
+    moebench's code (naming the checks that ran it), or one line saying moebench's own code."""
+    impls = summary.get("impls") or {}
+    if not impls:
+        return ["tested: moebench's own implementations (no --impl)"]
+    lines = []
+    for key, target in impls.items():
+        users = [c["name"] for c in summary.get("checks", []) if key in (c.get("user_impls") or {})]
+        lines.append(f"user implementation {target} replaced moebench's for key {key}"
+                     + (f" (checks: {', '.join(users)})" if users else ""))
+    return lines
 
 
 def _rank_entry(ctx, check_name: str, opts: CheckOptions) -> dict:
@@ -280,6 +297,7 @@ def run_checks(config: ParityConfig, *, on_record: Callable[[CheckRecord], None]
             result = launch(_rank_entry, world_size, args=(check.name, opts), backend=backend,
                             timeout_s=timeout_s, label=f"check {check.name}", env=env)
             record = _audit(check, result, world_size)
+        record.user_impls = {key: config.impls[key] for key in check.impl_keys if key in config.impls}
         records.append(record)
         if on_record is not None:
             on_record(record)

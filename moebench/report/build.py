@@ -86,7 +86,9 @@ def parity_row(run: collect.Run | None, missing: str) -> dict:
     vacuous = run.summary.get("vacuous_total", 0)
     if failed:
         names = ", ".join(c["name"] for c in checks if c.get("status") == "fail")
-        return {**base, "measured": measured, "verdict": DIFFERS, "reason": f"failed: {names}"}
+        user = _user_code(run.summary)
+        return {**base, "measured": measured, "verdict": DIFFERS,
+                "reason": f"failed: {names}" + (f"; on user code: {user}" if user else "")}
     if not run.ok or not checks:
         why = run.not_ok_reason() if not run.ok else f"run {run.run_id} ran no check"
         return {**base, "measured": measured if checks else None, "verdict": NOT_RUN, "reason": why}
@@ -99,8 +101,16 @@ def parity_row(run: collect.Run | None, missing: str) -> dict:
     if vacuous:
         return {**base, "measured": measured, "verdict": DIFFERS,
                 "reason": f"{vacuous} vacuous assertion(s) compared nothing"}
+    user = _user_code(run.summary)
     return {**base, "measured": measured, "verdict": REPRODUCED,
-            "reason": f"{passed} checks pass" + (f"; {skipped} skipped (see the parity section)" if skipped else "")}
+            "reason": f"{passed} checks pass" + (f"; {skipped} skipped (see the parity section)" if skipped else "")
+            + (f"; on user code: {user}" if user else "")}
+
+
+def _user_code(summary: dict) -> str:
+    """"user implementation X replaced moebench's for key K; ..." ("" when moebench's own code ran)."""
+    return "; ".join(f"user implementation {target} replaced moebench's for key {key}"
+                     for key, target in (summary.get("impls") or {}).items())
 
 
 def _registered_checks() -> set[str]:
@@ -258,7 +268,8 @@ def _parity_blocks(run: collect.Run | None, out: Path) -> list[Block]:
     checks = run.summary.get("checks") or []
     blocks.append(Para(f"verify-parity {run.run_id}: world size {run.summary.get('world_size')}, "
                        f"{run.summary.get('comm_backend')}, tolerance {run.summary.get('tolerance')}; status "
-                       f"{run.status}" + ("" if run.ok else f" ({run.not_ok_reason()})")))
+                       f"{run.status}" + ("" if run.ok else f" ({run.not_ok_reason()})")
+                       + (f". Tested: {_user_code(run.summary)}." if run.summary.get("impls") else "")))
     rows = []
     for check in checks:
         ratio = figures.check_ratio(check)
