@@ -87,7 +87,11 @@ def _print_report(variant, summary: dict, run_path) -> None:
                   + (" ..." if len(summary["epoch_loss"]) > 8 else ""))
     console.print(f"test loss {summary['test']['loss']:.4f}; {summary['steps']} steps in "
                   f"{summary['train_time_s']:.1f} s; {summary['tokens_per_s']:,.0f} tokens/s overall"
-                  + (f", {steady:,.0f} steady (after {summary['warmup_steps']} warm-up steps)" if steady else ""))
+                  + (f", {steady:,.0f} steady (after {summary['warmup_steps']} warm-up steps; the progress "
+                     "bar's figure)" if steady else ""))
+    machine = summary.get("machine") or {}
+    if machine.get("warning"):
+        console.print(f"[yellow]warning: {machine['warning']}[/]", highlight=False)
     for line in variant.report_lines(summary):
         console.print(line)
     console.print(f"results: {run_path}")
