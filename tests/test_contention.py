@@ -89,3 +89,42 @@ def test_the_progress_bar_shows_the_summarys_steady_figure(monkeypatch, tmp_path
     history = train.train_loop(step, train.LoopSpec(total_steps=6, steps_per_epoch=6, tokens_per_step=100),
                                writer=writer)
     assert shown[-1] == history["tokens_per_s_steady"]
+
+
+def _bench_row(layer, experts, tokens_per_s, vs_ideal=None, vs_ds=None, repeats=3, spread=0.1):
+    time_s = 1024 / tokens_per_s
+    return {"layer": layer, "experts": experts, "tokens": 1024, "top_k": 2, "skipped": None,
+            "tokens_per_s": tokens_per_s, "gflops": 1.0, "vs_ideal": vs_ideal, "vs_dense": None,
+            "vs_deepspeed_cf1": vs_ds, "peak_rss_mb": 100.0, "time_s": time_s, "repeats": repeats,
+            "min_s": time_s, "max_s": time_s * (1 + spread if repeats > 1 else 1)}
+
+
+def test_a_target_is_not_judged_against_an_implausible_baseline():
+    """bench --quick beside a busy process: ideal at 703 tok/s against dense's 23,251 made
+    "x ideal >= 0.95: 1.03 .. 21.49 met"."""
+    from moebench.bench import core
+
+    rows = [_bench_row("dense", 16, 23251.0), _bench_row("ideal", 16, 703.0), _bench_row("ideal", 64, 20000.0),
+            _bench_row("dense", 64, 21000.0), _bench_row("reference", 16, 15000.0, vs_ideal=21.49),
+            _bench_row("reference", 64, 19000.0, vs_ideal=1.03)]
+    t = core.targets(rows)
+    assert t["vs_ideal"]["met"] is None and t["flat"]["met"] is None
+    text = core.format_targets(t)
+    assert "x ideal >= 0.95: 1.03 .. 21.49 not judged: noisy baseline" in text
+    assert "ideal E=16 T=1024 k=2: 703 tok/s vs dense 23,251" in text and " met" not in text
+    assert all(len(line) <= 80 for line in text.splitlines())
+    # the same sweep with a plausible ideal is judged
+    rows[1] = _bench_row("ideal", 16, 22000.0)
+    assert core.targets(rows)["vs_ideal"]["met"] is True
+
+
+def test_one_repeat_shows_no_spread_and_the_report_says_one_timing(tmp_path):
+    from moebench.bench.output import format_table
+    from moebench.report.build import _timing_words
+
+    one = {"rows": [_bench_row("ideal", 4, 1000.0, repeats=1)], "breakdown": [], "threads": 2, "torch": "x"}
+    three = {**one, "rows": [_bench_row("ideal", 4, 1000.0, repeats=3, spread=0.25)]}
+    assert format_table(one).splitlines()[1].split()[-2] == "—"
+    assert format_table(three).splitlines()[1].split()[-2] == "25"
+    assert _timing_words(one["rows"]).startswith("one timing per layer and point (a single repeat")
+    assert _timing_words(three["rows"]) == "median of 3 interleaved repeats"

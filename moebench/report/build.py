@@ -330,11 +330,22 @@ def _bench_blocks(sweep: collect.Run | None, train: collect.Run | None, out: Pat
     return blocks
 
 
+def _timing_words(rows: list[dict]) -> str:
+    """What a bench row's time is: a median of interleaved repeats, or one timing (no spread)."""
+    counts = {r.get("repeats") for r in rows if not r.get("skipped")}
+    if counts == {1}:
+        return "one timing per layer and point (a single repeat: no median, and no spread can be measured)"
+    if len(counts) == 1 and None not in counts:
+        return f"median of {counts.pop()} interleaved repeats"
+    return "median of interleaved repeats"
+
+
 def _bench_sweep_blocks(run: collect.Run, out: Path) -> list[Block]:
     summary = run.summary
     blocks: list[Block] = [Para(f"bench {run.run_id} (started {summary.get('started_at', '?')}, status {run.status}, "
-                                f"{summary.get('threads', '?')} threads): forward + backward of one MoE layer, median "
-                                "of interleaved repeats; ratios measured in the same process.")]
+                                f"{summary.get('threads', '?')} threads): forward + backward of one MoE layer, "
+                                f"{_timing_words(summary.get('rows') or [])}; ratios measured in the same "
+                                "process.")]
     rows = []
     for r in summary.get("rows") or []:
         point = (r.get("layer", "?"), str(r.get("experts")), str(r.get("tokens")), str(r.get("top_k")))
