@@ -340,6 +340,35 @@ def leaves(cls: type, prefix: tuple[str, ...] = ()) -> list[FieldSpec]:
     return out
 
 
+def overrides_by_name(cls: type, values: dict[str, Any], *, where: str) -> dict[tuple[str, ...], Any]:
+    """{field path: value} from settings named by field (`experts=4`, `world_size=2`, `timeout_s=60`):
+    the Python API's spelling of the flags. An unknown name, or a value whose type the flag would not
+    parse (a bool for an int, a str for a float), is a UserError naming the flag."""
+    specs = {spec.path[-1]: spec for spec in leaves(cls) if spec.path != ("preset",)}
+    out: dict[tuple[str, ...], Any] = {}
+    for name, value in values.items():
+        spec = specs.get(name)
+        if spec is None:
+            raise UserError(f"{where} has no setting {name!r}; use one of: {', '.join(specs)}")
+        if value is None:
+            continue
+        wanted = _API_TYPES.get(spec.kind, ()) if _unwrap(_annotation_at(cls, spec.path))[0] is spec.kind else ()
+        if wanted and (isinstance(value, bool) != (spec.kind is bool) or not isinstance(value, wanted)):
+            raise UserError(f"must be {spec.kind.__name__}, got {value!r} ({name}=)", flag=spec.name)
+        out[spec.path] = value
+    return out
+
+
+_API_TYPES: dict[type, tuple[type, ...]] = {int: (int,), float: (int, float), str: (str,), bool: (bool,)}
+"""The Python values each flag type takes in `overrides_by_name` (a float flag takes an int too)."""
+
+
+def _annotation_at(cls: type, path: tuple[str, ...]):
+    for name in path[:-1]:
+        cls = _unwrap(_annotation(cls, name))[0]
+    return _annotation(cls, path[-1])
+
+
 def build(cls: type, values: dict, *, where: str = "") -> Any:
     """A config instance from a nested dict (a preset merged with flags); unknown or missing keys
     are bad input naming `where` (the preset file)."""

@@ -96,16 +96,17 @@ def train_loop(step_fn: StepFn, spec: LoopSpec, *, writer: results.RunDir | None
             aux_losses.append(aux)
             step_times.append(dt)
             tokens_per_s = spec.tokens_per_step / dt if dt > 0 else None
+            steady_so_far = steady_rate(step_times, spec.tokens_per_step)
             if writer is not None:
                 writer.log_metrics({"step": step + 1, "epoch": epoch, **record, "loss": loss, "aux_loss": aux,
                                     "step_time_s": dt, "tokens_per_s": tokens_per_s})
             if progress:
-                progress.update(task, advance=1, loss=loss, aux=aux, tps=tokens_per_s or 0.0)
+                # The bar shows the summary's steady figure so far (the last step's alone jumps around).
+                progress.update(task, advance=1, loss=loss, aux=aux, tps=steady_so_far or tokens_per_s or 0.0)
     finally:
         if progress:
             progress.stop()
     train_time = time.perf_counter() - start
-    steady = step_times[WARMUP_STEPS:]
     per_epoch = [losses[i:i + spec.steps_per_epoch] for i in range(0, len(losses), spec.steps_per_epoch)]
     first, last = losses[0], losses[-1]
     return {
@@ -120,9 +121,16 @@ def train_loop(step_fn: StepFn, spec: LoopSpec, *, writer: results.RunDir | None
         "tokens_per_step": spec.tokens_per_step,
         "tokens_per_s": spec.tokens_per_step * len(losses) / train_time if train_time > 0 else None,
         "warmup_steps": min(WARMUP_STEPS, len(losses)),
-        "tokens_per_s_steady": (spec.tokens_per_step * len(steady) / sum(steady)
-                                if steady and sum(steady) > 0 else None),
+        "tokens_per_s_steady": steady_rate(step_times, spec.tokens_per_step),
     }
+
+
+def steady_rate(step_times: list[float], tokens_per_step: int) -> float | None:
+    """Tokens per second over the steps after the WARMUP_STEPS first (summed step times; logging
+    and evaluation excluded): summary.json's `tokens_per_s_steady` and the progress bar's figure.
+    `tokens_per_s` ("overall") is every step's tokens over the loop's whole wall time."""
+    steady = step_times[WARMUP_STEPS:]
+    return tokens_per_step * len(steady) / sum(steady) if steady and sum(steady) > 0 else None
 
 
 def global_mean(value, world_size: int) -> float:
@@ -147,7 +155,7 @@ def _progress():
 
     return Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]:.4f}  aux {task.fields[aux]:.4f}  {task.fields[tps]:,.0f} tok/s"),
+        TextColumn("loss {task.fields[loss]:.4f}  aux {task.fields[aux]:.4f}  {task.fields[tps]:,.0f} tok/s steady"),
         TimeElapsedColumn(), transient=False, refresh_per_second=4,
         console=Console(stderr=True),  # stdout carries only the result (or the --json document)
     )
@@ -227,14 +235,43 @@ def execute_run(
                 run.write_json("config.json", {"kind": kind, **config})
                 run.write_json("env.json", (env_summary or default_env_summary)())
             in_process = world_size == 1 if in_process is None else in_process
-            rank_summary = _run_ranks(rank_fn, world_size, run_path, rank_args, backend, timeout_s, kind,
-                                      in_process)
+            with machine_watched(in_process and not under_torchrun()) as machine:
+                rank_summary = _run_ranks(rank_fn, world_size, run_path, rank_args, backend, timeout_s, kind,
+                                          in_process)
             summary = finish(rank_summary) if finish else rank_summary
+            summary = {**summary, "machine": machine}
             if run is not None:
                 _plot(run, title=f"{kind} ({summary.get('moe_impl', kind)})  {run.run_id}", summary=summary,
                       aux_coef=(config.get("train") or {}).get("aux_loss_coef"))
                 final = run.finish(results.STATUS_OK, summary)
     return RunOutcome(run_path=run_path, summary=final if run is not None else summary)
+
+
+@contextlib.contextmanager
+def machine_watched(one_process: bool):
+    """Around the timed part of a run: the CPU sampled at both ends; a one-process run takes as many
+    intra-op threads as there are cores nobody else is using (moebench/contention.py has the
+    measurements), restored afterwards. Yields the dict summary.json records under "machine":
+    what other processes used meanwhile, the threads, and a `warning` (None on a quiet machine)."""
+    import torch
+
+    from moebench import contention
+    from moebench.distributed.env import usable_cores
+
+    cores = usable_cores()
+    machine: dict[str, Any] = {}
+    before = torch.get_num_threads()
+    if one_process:
+        machine["others_cores_at_start"] = contention.busy_now()
+        torch.set_num_threads(contention.threads_for(cores, machine["others_cores_at_start"]))
+    machine["threads"] = torch.get_num_threads() if one_process else None  # ranks: set by the launcher
+    start = contention.sample()
+    try:
+        yield machine
+    finally:
+        torch.set_num_threads(before)
+        machine.update(contention.others_between(start, contention.sample()), cores=cores)
+        machine["warning"] = contention.busy_warning(machine, cores)
 
 
 @contextlib.contextmanager

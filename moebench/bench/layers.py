@@ -339,6 +339,7 @@ def run_sweep(points: list[Point], layers: tuple[str, ...] = LAYERS, repeats: in
                     continue
                 m = med[name]
                 row.update({"time_s": m, "min_s": min(times[name]), "max_s": max(times[name]),
+                            "repeats": len(times[name]),
                             "tokens_per_s": p.tokens / m, "gflops": p.flops / m / 1e9,
                             "peak_rss_mb": None if peak[name] is None else peak[name] / 2**20, "skipped": None})
                 for ref, key in (("ideal", "vs_ideal"), ("dense", "vs_dense"), ("deepspeed-cf1", "vs_deepspeed_cf1")):

@@ -17,9 +17,8 @@ def format_table(result: dict) -> str:
         if r.get("skipped"):
             lines += wrapped(f"{head}  skipped: {r['skipped'].removeprefix('RuntimeError: ')}")
             continue
-        spread = 100 * (r["max_s"] - r["min_s"]) / r["time_s"]
         lines.append(f"{head}{r['tokens_per_s']:>8.0f}{r['gflops']:>8.1f}{_num(r['vs_ideal'], 7)}"
-                     f"{_num(r['vs_dense'], 7)}{_num(r['vs_deepspeed_cf1'], 6)}{spread:>5.0f}"
+                     f"{_num(r['vs_dense'], 7)}{_num(r['vs_deepspeed_cf1'], 6)}{spread_text(r, 5)}"
                      f"{_num(r['peak_rss_mb'], 6, 0)}")
     for b in result["breakdown"]:
         p = b["point"]
@@ -76,6 +75,14 @@ def wrapped(line: str, indent: str = "    ") -> list[str]:
                          break_on_hyphens=False) or [""]
 
 
+def spread_text(r: dict, width: int) -> str:
+    """(max - min) / median in %, or "—" where one timing cannot show a spread (one repeat; rows
+    written before `repeats` was recorded: min == max)."""
+    if r.get("repeats", 2 if r["max_s"] != r["min_s"] else 1) < 2:
+        return f"{'—':>{width}}"
+    return f"{100 * (r['max_s'] - r['min_s']) / r['time_s']:>{width}.0f}"
+
+
 def _num(v, width: int, digits: int = 2) -> str:
     return f"{v:>{width}.{digits}f}" if v is not None else f"{'-':>{width}}"
 
@@ -90,11 +97,10 @@ def format_expert_parallel(rows: list[dict]) -> str:
         if r.get("skipped"):
             lines += wrapped(f"{head}  skipped: {r['skipped']}")
             continue
-        spread = 100 * (r["max_s"] - r["min_s"]) / r["time_s"]
         comm = 100 * r["comm_share"] if "comm_share" in r else None
         outside = 100 * r["outside_gemm"] if "outside_gemm" in r else None
         lines.append(f"{head}{r['tokens_per_s']:>8.0f}{_num(r['vs_world_1'], 6)}{_num(comm, 6, 0)}"
-                     f"{_num(outside, 9, 0)}{spread:>8.0f}{_num(r.get('peak_rss_mb'), 6, 0)}"
+                     f"{_num(outside, 9, 0)}{spread_text(r, 8)}{_num(r.get('peak_rss_mb'), 6, 0)}"
                      f"{' *' if r['oversubscribed'] else ''}")
     return "\n".join(lines)
 
@@ -103,9 +109,8 @@ def format_comm(rows: list[dict]) -> str:
     lines = ["all-to-all alone (bytes leaving each rank / time; * = oversubscribed)",
              f"{'backend':<8}{'W':>3}{'MB/rank':>9}{'ms':>9}{'GB/s':>8}{'spread%':>8}"]
     for r in rows:
-        spread = 100 * (r["max_s"] - r["min_s"]) / r["time_s"]
         lines.append(f"{r['backend']:<8}{r['world_size']:>3}{r['bytes_per_rank'] / 2**20:>9.1f}"
-                     f"{1000 * r['time_s']:>9.2f}{r['bytes_per_s'] / 1e9:>8.2f}{spread:>8.0f}"
+                     f"{1000 * r['time_s']:>9.2f}{r['bytes_per_s'] / 1e9:>8.2f}{spread_text(r, 8)}"
                      f"{' *' if r['oversubscribed'] else ''}")
     return "\n".join(lines)
 

@@ -144,7 +144,7 @@ def _ep_rank(ctx, points: list[Point], layers: tuple[str, ...], repeats: int, wa
                     continue
                 m = statistics.median(times[name])
                 row = {**base, "layer": name, "skipped": None, "time_s": m, "min_s": min(times[name]),
-                       "max_s": max(times[name]), "tokens_per_s": world * p.tokens / m,
+                       "max_s": max(times[name]), "repeats": len(times[name]), "tokens_per_s": world * p.tokens / m,
                        "gflops": world * p.flops / m / 1e9,
                        "peak_rss_mb": None if peak[name] is None else peak[name] / 2**20}
                 if profile:  # every rank runs the profiled calls (collectives); rank 0's figures are kept
@@ -196,7 +196,7 @@ def _comm_rank(ctx, sizes: list[int], repeats: int, warmup: int) -> list[dict]:
         m = statistics.median(times)
         nbytes = numel * send.element_size()
         rows.append({"world_size": world, "backend": ctx.backend, "bytes_per_rank": nbytes, "time_s": m,
-                     "min_s": min(times), "max_s": max(times),
+                     "min_s": min(times), "max_s": max(times), "repeats": len(times),
                      # what leaves each rank: (W-1)/W of its buffer (its own share stays)
                      "bytes_per_s": nbytes * (world - 1) / world / m,
                      "oversubscribed": oversubscribed(world)})

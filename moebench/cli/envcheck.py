@@ -3,22 +3,18 @@
 from __future__ import annotations
 
 import json
-import time
 from typing import Optional
 
 import typer
 
 from moebench.bounds import Number
 from moebench.cli import flags
+from moebench.envcheck.check import MAX_PROBE_TIMEOUT_S  # torch-free: the one limit
 from moebench.errors import UserError
 
 app = typer.Typer()
 
-MAX_PROBE_TIMEOUT_S = 3600.0
-"""The probe starts 2 ranks for one all-reduce: an hour is far past any working machine."""
 PROBE_TIMEOUT_BOUND = Number(integer=False, min=0, above=True, max=MAX_PROBE_TIMEOUT_S, why="1 h")
-REPORT_FILE = "envcheck.json"
-
 
 EXAMPLES = """Examples:
 
@@ -49,10 +45,9 @@ def env_check(
 
     Exit code 0 when nothing failed, 1 when something failed (--strict: or warned), 2 on bad flags.
     """
-    if not 0 < probe_timeout <= MAX_PROBE_TIMEOUT_S:
-        raise UserError(
-            f"must be in (0, {MAX_PROBE_TIMEOUT_S:.0f}] seconds, got {probe_timeout:g}", flag="--probe-timeout"
-        )
+    from moebench.envcheck.check import require_probe_timeout
+
+    require_probe_timeout(probe_timeout)
     if as_json and report:
         raise UserError("cannot be combined with --json (pick one output)", flag="--report")
     from moebench import results
@@ -61,20 +56,12 @@ def env_check(
     results.check_root(results_dir, "env")
     if not is_printer():  # under torchrun: rank 0 probes, prints and saves; the others stay quiet
         raise typer.Exit(0)
-    root = results.results_root(results_dir)
 
-    from moebench.envcheck import render, run_all
+    from moebench.envcheck import render
+    from moebench.envcheck.runner import check_and_record
 
-    started = time.time()
-    outcome = run_all(probe=not no_probe, probe_timeout_s=probe_timeout)
-    run = results.RunDir.create("env", root=root, started=started)  # its wall time is the checks' time
-    outcome.results_path = str(run.path / REPORT_FILE)
-    document = outcome.to_dict()
-    run.write_json(REPORT_FILE, document)
-    code = outcome.exit_code(strict)
-    run.finish(results.STATUS_OK if outcome.status != "fail" else results.STATUS_FAILED,
-               {"counts": document["counts"], "exit_code": code,
-                "strict": strict, "report": REPORT_FILE})
+    outcome, document, code = check_and_record(probe=not no_probe, probe_timeout_s=probe_timeout, strict=strict,
+                                                results_dir=results_dir)
 
     if as_json:
         typer.echo(json.dumps(results.to_jsonable(document), indent=2))

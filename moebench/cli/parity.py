@@ -10,7 +10,7 @@ import typer
 from moebench.bounds import Items, Name, Text
 from moebench.cli import flags
 from moebench.distributed.env import is_printer as _is_printer
-from moebench.errors import Interrupted, UserError
+from moebench.errors import Interrupted
 
 app = typer.Typer()
 
@@ -227,8 +227,7 @@ def verify_parity(
     from moebench.config import require_launched_world
     from moebench.console import stdout_to_stderr
     from moebench.distributed.env import is_launched_rank
-    from moebench.parity.registry import parse_impls
-    from moebench.parity.runner import ParityConfig
+    from moebench.parity.runner import parity_config
     from moebench.parity.runner import verify_parity as run
     from moebench.resources import require_ranks_fit
     from moebench.results import check_root
@@ -237,19 +236,9 @@ def verify_parity(
     if is_launched_rank() and ctx.get_parameter_source("world_size").name == "COMMANDLINE":
         require_launched_world(world_size)  # torchrun's WORLD_SIZE decides: a flag saying otherwise is refused
     require_ranks_fit(world_size)
-    names = tuple(n.strip() for n in checks.split(",") if n.strip()) if checks is not None else ()
-    if checks is not None and not names:
-        raise UserError("names no check; give check names (see --list) or leave the flag out", flag="--checks")
-    config = ParityConfig(
-        world_size=world_size,
-        checks=names,
-        timeout_s=timeout,
-        comm_backend=backend_old or comm_backend,
-        tolerance=tolerance,
-        impls=parse_impls(impl, timeout_s=timeout),
-        debug_collectives=debug_collectives,
-        seed=seed,
-    )
+    config = parity_config(world_size=world_size, checks=checks, timeout_s=timeout,
+                           comm_backend=backend_old or comm_backend, tolerance=tolerance, impls=impl,
+                           debug_collectives=debug_collectives, seed=seed)
 
     def progress(record) -> None:
         if _is_printer() and not as_json:
@@ -272,6 +261,10 @@ def verify_parity(
             typer.echo(json.dumps(_jsonable(summary), indent=2))
         else:
             _print_table(summary)
+            from moebench.parity.runner import tested_lines
+
+            for line in tested_lines(summary):
+                typer.echo(line)
         if summary.get("reason"):
             typer.echo(summary["reason"], err=True)
     raise typer.Exit(0 if summary["status"] == "ok" else 1)

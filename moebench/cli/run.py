@@ -62,21 +62,12 @@ def preset_bound(variant_name: str):
     return Name(what="preset", choices=lambda: config_tree.preset_names(variant_name))
 
 
-def given_flags(config_cls, overrides) -> set[str]:
-    """The flags the user gave (the ones a refusal may blame)."""
-    names = {spec.path: spec.name for spec in config_tree.leaves(config_cls)}
-    return {names[path] for path, value in overrides.items() if value is not None and path in names}
-
-
 def run_variant_command(variant, preset, overrides, *, show_config: bool, force: bool, results_dir,
                         as_json: bool) -> None:
-    from moebench import resources, results, train
+    from moebench import train
     from moebench.distributed.env import is_printer
 
-    results.check_root(results_dir, variant.name)
-    config = variants.resolve_config(variant, preset, overrides)
-    # memory and work before anything exists; --show-config refuses exactly as the run would
-    resources.require_runnable(config, force=force, given=given_flags(variant.config_cls, overrides))
+    config = variants.checked_config(variant, preset, overrides, results_dir=results_dir, force=force)
     if show_config:
         if is_printer():
             typer.echo(json.dumps(config_tree.as_dict(config), indent=2))
@@ -113,7 +104,11 @@ def _print_report(variant, summary: dict, run_path) -> None:
                   + (" ..." if len(summary["epoch_loss"]) > 8 else ""))
     console.print(f"test loss {summary['test']['loss']:.4f}; {summary['steps']} steps in "
                   f"{summary['train_time_s']:.1f} s; {summary['tokens_per_s']:,.0f} tokens/s overall"
-                  + (f", {steady:,.0f} steady (after {summary['warmup_steps']} warm-up steps)" if steady else ""))
+                  + (f", {steady:,.0f} steady (after {summary['warmup_steps']} warm-up steps; the progress "
+                     "bar's figure)" if steady else ""))
+    machine = summary.get("machine") or {}
+    if machine.get("warning"):
+        console.print(f"[yellow]warning: {machine['warning']}[/]", highlight=False)
     for line in variant.report_lines(summary):
         console.print(line)
     console.print(f"results: {run_path}")

@@ -102,3 +102,14 @@ def all_gather_variable(t: torch.Tensor, dim: int = 0, sizes=None, group=None):
         raise ValueError(f"sizes[{dist.get_rank(group)}]={sizes_list[dist.get_rank(group)]} "
                          f"but this rank's tensor has {t.shape[dim]} along dim {dim}")
     return _AllGatherVariable.apply(t, dim, sizes_list, group), sizes_t
+
+
+def collectives_issued() -> int | None:
+    """How many collectives this process has issued so far, over every process group it knows
+    (c10d's per-group sequence numbers); None when this torch does not expose them. Subtract two
+    readings to learn whether some code exchanged anything at all in between."""
+    try:
+        groups = list(dist.distributed_c10d._world.pg_map)
+        return sum(int(g._get_sequence_number_for_group()) for g in groups)
+    except (AttributeError, RuntimeError, TypeError):
+        return None

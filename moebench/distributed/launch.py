@@ -7,8 +7,8 @@ Launch is environment-driven:
   rank; spawn when CUDA is used, since CUDA does not survive a fork).
 
 Guarantees, whatever the function does:
-- rendezvous through a TCPStore that the parent opens on port 0, so no fixed port and no clash
-  with another run on the same machine;
+- rendezvous through a TCPStore that rank 0 opens on port 0, so no fixed port and no clash
+  with another run on the same machine; it and gloo's pairs listen on loopback only;
 - a deadline: ranks still alive when it passes have their Python stacks dumped (faulthandler on
   SIGUSR1) and are killed; the result says "hung" and names them;
 - the process-group timeout is shorter than the deadline, so a collective that waits on a dead
@@ -34,6 +34,7 @@ import os
 import pickle
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -41,6 +42,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -58,6 +60,8 @@ STACK_DUMP_WAIT_S = 1.0
 # The process-group timeout is this fraction of the deadline: collectives time out inside the
 # ranks (with a Python traceback naming the collective) before the parent's deadline fires.
 PG_TIMEOUT_FRACTION = 0.75
+# listen() backlog of the rendezvous socket: every local rank (at most 64) may connect at once.
+LISTEN_BACKLOG = 128
 
 _PR_SET_PDEATHSIG = 1
 
@@ -339,7 +343,7 @@ def _rendezvous(rank: int, workdir: Path, timeout: datetime.timedelta) -> dist.T
     its server thread's sockets shared with every child.)"""
     port_file = workdir / "port"
     if rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, None, True, timeout, wait_for_workers=False)
+        store = _loopback_store(timeout)
         tmp = workdir / "port.tmp"
         tmp.write_text(str(store.port))
         os.replace(tmp, port_file)
@@ -352,13 +356,46 @@ def _rendezvous(rank: int, workdir: Path, timeout: datetime.timedelta) -> dist.T
     return dist.TCPStore("127.0.0.1", int(port_file.read_text()), None, False, timeout)
 
 
+def _loopback_store(timeout: datetime.timedelta) -> dist.TCPStore:
+    """The rendezvous server, listening on 127.0.0.1 alone. TCPStore binds every interface (`::`)
+    whatever host it is given, and it has no authentication: any host that reaches this machine
+    could write keys, join or hang the rendezvous. So the socket is bound here, on a port the OS
+    picks, and handed to the store (libuv's server listens on a descriptor it is given)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(LISTEN_BACKLOG)
+        port = sock.getsockname()[1]
+        store = dist.TCPStore("127.0.0.1", port, None, True, timeout, wait_for_workers=False,
+                              master_listen_fd=sock.fileno(), use_libuv=True)
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the descriptor now
+    return store
+
+
+def loopback_interface() -> str | None:
+    """The name of the interface carrying 127.0.0.1 ("lo" on Linux), or None when there is none."""
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addrs):
+            return name
+    return None
+
+
 def _rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     # Code inside a rank (DeepSpeed, user code) may read the usual launcher variables.
-    return {
+    env = {
         "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
         "MOEBENCH_LOCAL_LAUNCH": "1",
     }
+    # gloo's pairs listen on the address the host name resolves to (a LAN address on many hosts)
+    # or on GLOO_SOCKET_IFNAME: every rank is on this host, so loopback it is.
+    loopback = loopback_interface()
+    if loopback is not None:
+        env["GLOO_SOCKET_IFNAME"] = loopback
+    return env
 
 
 def _describe_exit(exitcode: int | None) -> str:

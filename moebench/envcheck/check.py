@@ -103,3 +103,19 @@ class Report:
             "checks": [c.to_dict() for c in self.checks],
             "results_path": self.results_path,
         }
+
+
+MAX_PROBE_TIMEOUT_S = 3600.0
+"""--probe-timeout's upper bound: an hour is far beyond any NCCL init; more is a typo."""
+
+
+def require_probe_timeout(seconds: object) -> None:
+    """UserError unless `seconds` is a number in (0, MAX_PROBE_TIMEOUT_S] (checked before torch loads)."""
+    import math
+
+    from moebench.errors import UserError
+
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise UserError(f"must be a number of seconds, got {seconds!r}", flag="--probe-timeout")
+    if not (math.isfinite(seconds) and 0 < seconds <= MAX_PROBE_TIMEOUT_S):
+        raise UserError(f"must be in (0, {MAX_PROBE_TIMEOUT_S:.0f}] seconds, got {seconds:g}", flag="--probe-timeout")

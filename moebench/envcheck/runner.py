@@ -18,7 +18,7 @@ from moebench.envcheck import (
     torch_cuda,
 )
 from moebench.envcheck import probe as collective_probe
-from moebench.envcheck.check import Check, Report
+from moebench.envcheck.check import Check, Report, require_probe_timeout
 
 DEFAULT_PROBE_TIMEOUT_S = 30.0
 """The probe takes ~0.1 s on gloo; 30 s leaves room for a slow NCCL init before a hang is declared."""
@@ -51,6 +51,33 @@ def run_all(probe: bool = True, probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S
     return Report(checks=checks, mode=mode, created=created, elapsed_s=time.monotonic() - start,
                   probe={"enabled": probe, "timeout_s": probe_timeout_s}, moebench_version=__version__,
                   hostname=socket.gethostname())
+
+
+REPORT_FILE = "envcheck.json"
+"""The document env-check saves in its run folder (what `--json` prints)."""
+
+
+def check_and_record(*, probe: bool = True, probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S, strict: bool = False,
+                     results_dir: str | None = None) -> tuple[Report, dict, int]:
+    """env-check for the CLI and the Python API alike: validate, run every check, save
+    results/env/<run-id>/envcheck.json and its summary. Returns (report, the saved document,
+    the exit code: 0, or 1 when something failed or, with `strict`, warned)."""
+    from moebench import results
+
+    require_probe_timeout(probe_timeout_s)
+    results.check_root(results_dir, "env")
+    from moebench import envcheck
+
+    started = time.time()
+    report = envcheck.run_all(probe=probe, probe_timeout_s=probe_timeout_s)  # through the package: tests patch it
+    run = results.RunDir.create("env", root=results.results_root(results_dir), started=started)  # the checks' time
+    report.results_path = str(run.path / REPORT_FILE)
+    document = report.to_dict()
+    run.write_json(REPORT_FILE, document)
+    code = report.exit_code(strict)
+    run.finish(results.STATUS_OK if report.status != "fail" else results.STATUS_FAILED,
+               {"counts": document["counts"], "exit_code": code, "strict": strict, "report": REPORT_FILE})
+    return report, document, code
 
 
 def summary() -> dict:

@@ -11,6 +11,15 @@ Compared: outputs, each rank's input gradient, every expert's parameter gradient
 ranks like DDP), the implementation's own is_distributed=False path, and parameters after each
 SGD step (then the reference takes the distributed weights, so each step is judged on its own).
 
+Sharding (W > 1): numbers alone cannot tell sharded experts from a rank that runs every expert
+on its own samples and never communicates (each sample meets the expert of its slot either way).
+So the check also counts, on each rank, the token slots each expert module ran on (a forward hook
+on the modules it hands the implementation) and the collectives issued during forward and
+backward, and asserts that no rank ran more than its share of the experts (ceil(E / W)), that
+every expert ran exactly once per token slot over all ranks, and that every rank exchanged data.
+An implementation that never calls the expert modules it was given (fused weights) cannot be
+observed: the check says so, and then it checks numbers only.
+
 Losses: strict mode weights each rank's outputs with fixed random numbers, so a gradient sent to
 the wrong rank or the wrong expert cannot cancel out; seed mode uses the seed's `out.mean()` and
 its assertions (outputs: allclose defaults; the first expert's first weight gradient: atol 1e-2),
@@ -24,7 +33,8 @@ import copy
 import torch
 from torch import nn
 
-from moebench.parity.compare import SEED_ALLCLOSE_DEFAULT, SEED_EXPERTS_GRAD, STRICT, compare, pick
+from moebench.distributed.collectives import collectives_issued
+from moebench.parity.compare import SEED_ALLCLOSE_DEFAULT, SEED_EXPERTS_GRAD, STRICT, assertion, compare, pick
 from moebench.parity.experts import Experts
 from moebench.parity.registry import Check, CheckOptions, impl_or_default, register
 
@@ -86,6 +96,43 @@ def _reference(experts: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
     return torch.stack([expert(x[:, e]) for e, expert in enumerate(experts)], dim=1)
 
 
+def _count_slots(ran: list[int], expert: int):
+    """A forward hook adding the token slots expert `expert` ran on (its input's vectors of DIM)."""
+    def hook(module, args, output) -> None:
+        if args and isinstance(args[0], torch.Tensor):
+            ran[expert] += args[0].numel() // DIM
+    return hook
+
+
+def _sharding(prefix: str, ran: list[list[int]], exchanged: list[int | None], slots: int,
+              asserted: bool) -> list:
+    """Was the work sharded? `ran[s][e]`: token slots expert e ran on at rank s; `exchanged[s]`:
+    collectives rank s issued in forward + backward; `slots`: token slots per expert over all ranks."""
+    w, num_experts = len(ran), len(ran[0])
+    if not any(any(counts) for counts in ran):
+        return [assertion(f"{prefix}: sharding not observed", True, asserted=False,
+                          note="the implementation never called the expert modules it was given: "
+                               "numbers checked only")]
+    share = -(-num_experts // w)
+    over = {s: [e for e, n in enumerate(counts) if n] for s, counts in enumerate(ran)}
+    over = {s: experts for s, experts in over.items() if len(experts) > share}
+    ran_too_many = "; ".join(f"rank {s} ran experts {experts}" for s, experts in over.items())
+    out = [assertion(f"{prefix}: experts sharded (each rank at most {share} of {num_experts})", not over,
+                     asserted=asserted, note=f"{ran_too_many} - computed locally, not sharded" if over else "")]
+    totals = [sum(counts[e] for counts in ran) for e in range(num_experts)]
+    wrong = [f"expert {e}: {n}" for e, n in enumerate(totals) if n != slots]
+    out.append(assertion(f"{prefix}: every expert ran once per token slot over all ranks", not wrong,
+                         asserted=asserted, note=f"expected {slots} slots each; {', '.join(wrong)}" if wrong else ""))
+    if any(n is None for n in exchanged):
+        out.append(assertion(f"{prefix}: exchange not observed", True, asserted=False,
+                             note="this torch does not count collectives"))
+    else:
+        silent = [s for s, n in enumerate(exchanged) if n == 0]
+        out.append(assertion(f"{prefix}: every rank exchanged data", not silent, asserted=asserted,
+                             note=f"ranks {silent} issued no collective in forward and backward" if silent else ""))
+    return out
+
+
 def _rank(ctx, opts: CheckOptions) -> list:
     impl, label = impl_or_default(opts, "experts", Experts)
     out_tol, out_asserted = pick(opts.tolerance, strict=STRICT, seed=SEED_ALLCLOSE_DEFAULT)
@@ -97,6 +144,9 @@ def _rank(ctx, opts: CheckOptions) -> list:
         torch.manual_seed(opts.seed + case)
         experts = [feed_forward(DIM) for _ in range(num_experts)]
         ref_experts = copy.deepcopy(experts) if r == 0 else []
+        ran = [0] * num_experts  # token slots each expert ran on here, this step
+        for e, expert in enumerate(experts):
+            expert.register_forward_hook(_count_slots(ran, e))
         net = impl(experts)
         params = [p for e in experts for p in e.parameters()]
         ref_params = [p for e in ref_experts for p in e.parameters()]
@@ -107,14 +157,19 @@ def _rank(ctx, opts: CheckOptions) -> list:
             xs = _inputs(opts.seed, case, step, batch_sizes, num_experts)
             weights = _loss_weights(opts.seed, case, step, batch_sizes, num_experts, opts.tolerance)
             x = xs[r].clone().requires_grad_(True)
+            ran[:] = [0] * num_experts
+            issued = collectives_issued()
             out = net(x)
             (out * weights[r]).sum().backward()
+            after = collectives_issued()
+            exchanged = None if issued is None or after is None else after - issued
+            ran_here = list(ran)
             _average_grads(params, w)
             x_grad = x.grad if x.grad is not None else torch.zeros_like(x)
             # Only rank 0 builds the single-process reference (W copies of it would cost W times
             # the CPU on an oversubscribed machine); the others send it what they computed.
             sent = [None] * w if r == 0 else None
-            torch.distributed.gather_object((out.detach(), x_grad), sent, dst=0)
+            torch.distributed.gather_object((out.detach(), x_grad, ran_here, exchanged), sent, dst=0)
             dist_grads = [p.grad.clone() for p in params] if r == 0 else []
             with torch.no_grad():
                 for p in params:
@@ -128,7 +183,10 @@ def _rank(ctx, opts: CheckOptions) -> list:
             # Rank-s loss terms summed over ranks, then / W: what DDP's averaged gradient descends.
             rows = [slice(offsets[s], offsets[s] + batch_sizes[s]) for s in range(w)]
             (sum((ref_out[rows[s]] * weights[s]).sum() for s in range(w)) / w).backward()
-            for s, (got_out, got_x_grad) in enumerate(sent):
+            if w > 1:  # what W > 1 must add to one process: the work split over ranks, and an exchange
+                results += _sharding(prefix, [got[2] for got in sent], [got[3] for got in sent],
+                                     sum(batch_sizes) * TOKENS, asserted=opts.tolerance == "strict")
+            for s, (got_out, got_x_grad, _, _) in enumerate(sent):
                 results.append(compare(f"{prefix}: rank {s} output", got_out, ref_out[rows[s]], out_tol,
                                        rank=s, asserted=out_asserted, note=f"impl {label}"))
                 # Input gradients are not averaged: rank s holds d(sum of all losses)/d(its rows).
@@ -160,7 +218,7 @@ def _rank(ctx, opts: CheckOptions) -> list:
 register(Check(
     name="experts", order=80, seed_source="000 soft-moe-pytorch assert.py",
     description="distributed experts vs one process (idle rank, W<E, W not dividing E, variable batch; 2 steps)",
-    catches="sharded experts that misroute slots or grads, or fail with an idle rank, W not dividing E, "
+    catches="experts that misroute slots or grads, never shard, or fail with an idle rank, W not dividing E, "
             "or ragged batches",
     rank_fn=_rank, impl_keys=("experts",),
 ))

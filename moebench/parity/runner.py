@@ -16,7 +16,7 @@ import math
 import os
 import platform
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -25,7 +25,7 @@ from moebench.distributed.launch import launch, local_world_size, resolve_backen
 from moebench.errors import Interrupted, UserError
 from moebench.parity.compare import TOLERANCE_MODES, Comparison
 from moebench.parity.diagnose import summarise
-from moebench.parity.registry import Check, CheckOptions, SkipCheck, all_checks, load_all, select
+from moebench.parity.registry import Check, CheckOptions, SkipCheck, all_checks, load_all, parse_impls, select
 from moebench.results import STATUS_FAILED, STATUS_INTERRUPTED, STATUS_OK, RunDir
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -81,6 +81,28 @@ class ParityConfig:
                                 "or drop the --impl", flag="--impl")
 
 
+def parity_config(*, world_size: int = 4, checks: str | Sequence[str] | None = None,
+                  timeout_s: float = DEFAULT_TIMEOUT_S, comm_backend: str = "auto", tolerance: str = "strict",
+                  impls: Sequence[str] | Mapping[str, str] = (), debug_collectives: bool = False,
+                  seed: int = 0) -> ParityConfig:
+    """A validated ParityConfig from what the CLI and the Python API take: `checks` as names or one
+    comma-separated string (None: all), `impls` as "KEY=module:attr" strings or {KEY: "module:attr"}
+    (each imported in a child process first). Bad input is a UserError naming the flag."""
+    if checks is None:
+        names: tuple[str, ...] = ()
+    else:
+        parts = checks.split(",") if isinstance(checks, str) else list(checks)
+        if not all(isinstance(n, str) for n in parts):
+            raise UserError(f"names checks by their names (strings), got {checks!r}", flag="--checks")
+        names = tuple(n.strip() for n in parts if n.strip())
+        if not names:
+            raise UserError("names no check; give check names (see --list) or leave the flag out", flag="--checks")
+    specs = [f"{key}={target}" for key, target in impls.items()] if isinstance(impls, Mapping) else list(impls)
+    return ParityConfig(world_size=world_size, checks=names, timeout_s=timeout_s, comm_backend=comm_backend,
+                        tolerance=tolerance, impls=parse_impls(specs, timeout_s=timeout_s),
+                        debug_collectives=debug_collectives, seed=seed)
+
+
 @dataclasses.dataclass(kw_only=True)
 class CheckRecord:
     """One check's outcome: what the table and summary.json show."""
@@ -121,6 +143,23 @@ class CheckRecord:
     diagnosis: dict | None = None
     """For a failed check: {name, sentence, details} summarised by parameter group and rank
     (e.g. "output right; gate/router wrong (1/1)"); each failed comparison has its own."""
+    user_impls: dict[str, str] = dataclasses.field(default_factory=dict)
+    """The implementations this check tested that are the user's (--impl), not moebench's:
+    {key: "module:attribute"}. Empty: moebench's own code was tested."""
+
+
+def tested_lines(summary: dict[str, Any]) -> list[str]:
+    """What was tested, for the console and the report: one line per --impl key that replaced
+    moebench's code (naming the checks that ran it), or one line saying moebench's own code."""
+    impls = summary.get("impls") or {}
+    if not impls:
+        return ["tested: moebench's own implementations (no --impl)"]
+    lines = []
+    for key, target in impls.items():
+        users = [c["name"] for c in summary.get("checks", []) if key in (c.get("user_impls") or {})]
+        lines.append(f"user implementation {target} replaced moebench's for key {key}"
+                     + (f" (checks: {', '.join(users)})" if users else ""))
+    return lines
 
 
 def _rank_entry(ctx, check_name: str, opts: CheckOptions) -> dict:
@@ -259,6 +298,7 @@ def run_checks(config: ParityConfig, *, on_record: Callable[[CheckRecord], None]
             result = launch(_rank_entry, world_size, args=(check.name, opts), backend=backend,
                             timeout_s=timeout_s, label=f"check {check.name}", env=env)
             record = _audit(check, result, world_size)
+        record.user_impls = {key: config.impls[key] for key in check.impl_keys if key in config.impls}
         records.append(record)
         if on_record is not None:
             on_record(record)

@@ -83,7 +83,9 @@ def parity_row(run: collect.Run | None, missing: str) -> dict:
     vacuous = run.summary.get("vacuous_total", 0)
     if failed:
         names = ", ".join(c["name"] for c in checks if c.get("status") == "fail")
-        return {**base, "measured": measured, "verdict": DIFFERS, "reason": f"failed: {names}"}
+        user = _user_code(run.summary)
+        return {**base, "measured": measured, "verdict": DIFFERS,
+                "reason": f"failed: {names}" + (f"; on user code: {user}" if user else "")}
     if not run.ok or not checks:
         why = run.not_ok_reason() if not run.ok else f"run {run.run_id} ran no check"
         return {**base, "measured": measured if checks else None, "verdict": NOT_RUN, "reason": why}
@@ -96,8 +98,16 @@ def parity_row(run: collect.Run | None, missing: str) -> dict:
     if vacuous:
         return {**base, "measured": measured, "verdict": DIFFERS,
                 "reason": f"{vacuous} vacuous assertion(s) compared nothing"}
+    user = _user_code(run.summary)
     return {**base, "measured": measured, "verdict": REPRODUCED,
-            "reason": f"{passed} checks pass" + (f"; {skipped} skipped (see the parity section)" if skipped else "")}
+            "reason": f"{passed} checks pass" + (f"; {skipped} skipped (see the parity section)" if skipped else "")
+            + (f"; on user code: {user}" if user else "")}
+
+
+def _user_code(summary: dict) -> str:
+    """"user implementation X replaced moebench's for key K; ..." ("" when moebench's own code ran)."""
+    return "; ".join(f"user implementation {target} replaced moebench's for key {key}"
+                     for key, target in (summary.get("impls") or {}).items())
 
 
 def _registered_checks() -> set[str]:
@@ -271,7 +281,8 @@ def _parity_blocks(run: collect.Run | None, out: Path) -> list[Block]:
     checks = run.summary.get("checks") or []
     blocks.append(Para(f"verify-parity {run.run_id}: world size {run.summary.get('world_size')}, "
                        f"{run.summary.get('comm_backend')}, tolerance {run.summary.get('tolerance')}; status "
-                       f"{run.status}" + ("" if run.ok else f" ({run.not_ok_reason()})")))
+                       f"{run.status}" + ("" if run.ok else f" ({run.not_ok_reason()})")
+                       + (f". Tested: {_user_code(run.summary)}." if run.summary.get("impls") else "")))
     rows = []
     for check in checks:
         ratio = figures.check_ratio(check)
@@ -332,11 +343,22 @@ def _bench_blocks(sweep: collect.Run | None, train: collect.Run | None, out: Pat
     return blocks
 
 
+def _timing_words(rows: list[dict]) -> str:
+    """What a bench row's time is: a median of interleaved repeats, or one timing (no spread)."""
+    counts = {r.get("repeats") for r in rows if not r.get("skipped")}
+    if counts == {1}:
+        return "one timing per layer and point (a single repeat: no median, and no spread can be measured)"
+    if len(counts) == 1 and None not in counts:
+        return f"median of {counts.pop()} interleaved repeats"
+    return "median of interleaved repeats"
+
+
 def _bench_sweep_blocks(run: collect.Run, out: Path) -> list[Block]:
     summary = run.summary
     blocks: list[Block] = [Para(f"bench {run.run_id} (started {summary.get('started_at', '?')}, status {run.status}, "
-                                f"{summary.get('threads', '?')} threads): forward + backward of one MoE layer, median "
-                                "of interleaved repeats; ratios measured in the same process.")]
+                                f"{summary.get('threads', '?')} threads): forward + backward of one MoE layer, "
+                                f"{_timing_words(summary.get('rows') or [])}; ratios measured in the same "
+                                "process.")]
     rows = []
     for r in summary.get("rows") or []:
         point = (r.get("layer", "?"), str(r.get("experts")), str(r.get("tokens")), str(r.get("top_k")))

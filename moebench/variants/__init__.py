@@ -71,6 +71,23 @@ def resolve_config(variant: Variant, preset: str | None, overrides: dict[tuple[s
     return variant.prepare(config)
 
 
+def checked_config(variant: Variant, preset: str | None, overrides: dict[tuple[str, ...], Any], *,
+                   results_dir: str | None = None, force: bool = False) -> Any:
+    """Everything `run` checks before it writes anything, for the CLI (`--show-config` included: it
+    refuses exactly as the run would) and the Python API alike: the results root is writable, the
+    config resolves and validates, and its memory and work estimates fit unless `force`. Bad input is
+    a UserError naming the flag the user gave."""
+    from moebench import config as config_tree
+    from moebench import resources, results
+
+    results.check_root(results_dir, variant.name)
+    config = resolve_config(variant, preset, overrides)
+    names = {spec.path: spec.name for spec in config_tree.leaves(variant.config_cls)}
+    given = {names[path] for path, value in overrides.items() if value is not None and path in names}
+    resources.require_runnable(config, force=force, given=given)
+    return config
+
+
 def _registry() -> tuple[Variant, ...]:
     from moebench.variants.deepspeed import VARIANT as DEEPSPEED
     from moebench.variants.fastmoe import VARIANT as FASTMOE

@@ -16,7 +16,7 @@ import shutil
 import time
 
 from moebench import tempdirs
-from moebench.distributed.launch import PG_TIMEOUT_FRACTION, RankContext
+from moebench.distributed.launch import PG_TIMEOUT_FRACTION, RankContext, loopback_interface
 
 SHM_COMM_OP = "deepspeed_shm_comm"
 """DeepSpeed's CPU shared-memory collective op (JIT-built on first use)."""
@@ -39,7 +39,7 @@ def deepspeed_comm(ctx: RankContext, *, compiled_ops: bool, timeout_s: float, ba
     if not compiled_ops:
         compatible[SHM_COMM_OP] = False
     own_group = not dist.is_initialized()
-    saved_env = {k: os.environ.get(k) for k in ("LOCAL_RANK",)}
+    saved_env = {k: os.environ.get(k) for k in ("LOCAL_RANK", "GLOO_SOCKET_IFNAME")}
     store_dir = None
     try:
         if own_group:
@@ -48,6 +48,9 @@ def deepspeed_comm(ctx: RankContext, *, compiled_ops: bool, timeout_s: float, ba
             store_dir = str(tempdirs.make("ds-store"))
             backend = backend or ("nccl" if get_accelerator().device_name() == "cuda" else "gloo")
             timeout = datetime.timedelta(seconds=max(1.0, timeout_s * PG_TIMEOUT_FRACTION))
+            loopback = loopback_interface()
+            if loopback is not None:  # even a one-rank gloo group listens: on loopback, not the LAN
+                os.environ["GLOO_SOCKET_IFNAME"] = loopback
             dist.init_process_group(backend, store=dist.FileStore(os.path.join(store_dir, "store"), 1),
                                     rank=0, world_size=1, timeout=timeout)
         os.environ.setdefault("LOCAL_RANK", str(ctx.local_rank))  # deepspeed.initialize asserts it

@@ -1,0 +1,86 @@
+"""The Python API: `moebench.run`, `moebench.verify_parity`, `moebench.env_check`.
+
+Each returns the dict its command prints with `--json` and records the same run folder under
+results/ (see docs/api.md). They call the core functions the CLI calls, through the same
+validation: bad input raises `moebench.errors.UserError` (naming the flag) before anything is
+written. Nothing prints unless asked (`progress=True`).
+
+    import moebench
+    summary = moebench.run("fastmoe", preset="quick", experts=4, steps=20)
+    parity = moebench.verify_parity(world_size=2, checks=["all-gather-variable", "experts"])
+    env = moebench.env_check(probe=False)
+
+`import moebench` stays cheap: this module (and torch) is imported on first use of a function.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from moebench.errors import UserError
+
+__all__ = ["run", "verify_parity", "env_check"]
+
+
+def run(variant: str, preset: str | None = None, *, results_dir: str | None = None, force: bool = False,
+        progress: bool = False, **settings: Any) -> dict[str, Any] | None:
+    """Train `variant` ("fastmoe" or "deepspeed") like `moebench run <variant> --json`.
+
+    `preset`: a preset of experiments/<variant>/ (default: the variant's own, as on the CLI).
+    `settings`: the run's flags by field name, overriding the preset: `experts=4`, `steps=20`,
+    `world_size=2`, `timeout_s=60`, ... (`moebench run <variant> --help` lists them: --top-k is
+    `top_k`, --timeout is `timeout_s`). `force`: run even when the memory estimate exceeds the
+    available memory. `progress`: show the progress bar on stderr.
+
+    Returns summary.json's content (the `--json` document; None on a torchrun rank other than 0).
+    A run that started and failed raises `moebench.errors.RunFailed` (its folder says why);
+    Ctrl-C raises KeyboardInterrupt after every rank has stopped and the run is marked interrupted.
+    """
+    from moebench import config as config_tree
+    from moebench import results, train, variants
+
+    names = [v.name for v in variants.VARIANTS]
+    if not isinstance(variant, str) or variant not in names:
+        raise UserError(f"unknown variant {variant!r}; use one of: {', '.join(names)}")
+    chosen = variants.by_name(variant)
+    overrides = config_tree.overrides_by_name(chosen.config_cls, settings, where=f"run {variant}")
+    config = variants.checked_config(chosen, preset, overrides, results_dir=results_dir, force=force)
+    outcome = train.run_variant(chosen, config, results_root=results_dir, show_progress=progress)
+    return None if outcome.run_path is None else results.to_jsonable(outcome.summary)
+
+
+def verify_parity(*, world_size: int = 4, checks: str | Sequence[str] | None = None, timeout_s: float = 120.0,
+                  comm_backend: str = "auto", tolerance: str = "strict",
+                  impls: Mapping[str, str] | Sequence[str] = (), seed: int = 0, debug_collectives: bool = False,
+                  results_dir: str | None = None) -> dict[str, Any]:
+    """The parity checks, like `moebench verify-parity --json`.
+
+    `checks`: names (see `moebench verify-parity --list`) or None for all; `impls`: your code
+    instead of moebench's, {"experts": "my_pkg.moe:Experts", ...} (the `--impl` contracts of
+    docs/verify-parity.md). Returns the summary: "status" ("ok" when at least one check passed and
+    none failed, else "failed") and one record per check under "checks".
+    """
+    from moebench import results
+    from moebench.parity.runner import parity_config
+    from moebench.parity.runner import verify_parity as run_parity
+
+    results.check_root(results_dir, "parity")
+    config = parity_config(world_size=world_size, checks=checks, timeout_s=timeout_s, comm_backend=comm_backend,
+                           tolerance=tolerance, impls=impls, debug_collectives=debug_collectives, seed=seed)
+    return results.to_jsonable(run_parity(config, results_dir=results_dir))
+
+
+def env_check(*, probe: bool = True, probe_timeout_s: float = 30.0, strict: bool = False,
+              results_dir: str | None = None) -> dict[str, Any]:
+    """Probe the environment, like `moebench env-check --json`.
+
+    `probe`: run the live 2-rank collective probe (`--no-probe` is `probe=False`). Returns the
+    envcheck.json document: per check an id, status (ok / warn / fail / skip), what was found and
+    the fix. `strict` only changes the exit code recorded in the run's summary.json (warnings count).
+    """
+    from moebench import results
+    from moebench.envcheck.runner import check_and_record
+
+    _, document, _ = check_and_record(probe=probe, probe_timeout_s=probe_timeout_s, strict=strict,
+                                      results_dir=results_dir)
+    return results.to_jsonable(document)

@@ -1,0 +1,101 @@
+"""The Python API (moebench.run / verify_parity / env_check): the same documents as `--json`, the same
+validation as the CLI, and `import moebench` stays cheap (issue 18, item 7)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import moebench
+from moebench.errors import UserError
+
+
+def _cli_json(*args: str, results_dir) -> dict:
+    out = subprocess.run([sys.executable, "-m", "moebench", *args, "--results-dir", str(results_dir), "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode in (0, 1), out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
+def _cli_error(*args: str, results_dir) -> str:
+    out = subprocess.run([sys.executable, "-m", "moebench", *args, "--results-dir", str(results_dir)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    return line.removeprefix("error: ")
+
+
+def _runs(root) -> list:
+    return sorted(p for p in root.glob("*/*") if p.is_dir()) if root.exists() else []
+
+
+def test_import_moebench_loads_no_torch():
+    code = ("import sys, moebench; moebench.run; "
+            "print(sorted(m for m in ('torch', 'typer', 'moebench.api') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    # moebench.run resolves to the facade without importing torch or the CLI: the work happens on call
+    assert out.stdout.split("\n")[0] == "['moebench.api']", out.stderr
+
+
+def test_run_returns_what_run_json_prints(tmp_path):
+    settings = {"moe_impl": "reference", "steps": 4, "experts": 4, "seed": 3}
+    api = moebench.run("fastmoe", "quick", results_dir=str(tmp_path / "api"), **settings)
+    cli = _cli_json("run", "fastmoe", "--preset", "quick", "--moe-impl", "reference", "--steps", "4",
+                    "--experts", "4", "--seed", "3", results_dir=tmp_path / "cli")
+    assert api["status"] == cli["status"] == "ok"
+    assert set(api) == set(cli)
+    assert set(api["params"]) == set(cli["params"])
+    # the same config reached the model: the same parameter count and the same data, hence the same loss
+    assert api["params"] == cli["params"]
+    assert api["steps"] == cli["steps"] == 4
+    api_config = json.loads((Path(api["run_path"]) / "config.json").read_text())
+    cli_config = json.loads((Path(cli["run_path"]) / "config.json").read_text())
+    assert api_config == cli_config
+
+
+def test_verify_parity_returns_what_verify_parity_json_prints(tmp_path):
+    api = moebench.verify_parity(world_size=2, checks=["all-gather-variable"], results_dir=str(tmp_path / "api"))
+    cli = _cli_json("verify-parity", "-n", "2", "--checks", "all-gather-variable", results_dir=tmp_path / "cli")
+    assert api["status"] == cli["status"] == "ok"
+    assert set(api) == set(cli)
+    assert [c["name"] for c in api["checks"]] == [c["name"] for c in cli["checks"]] == ["all-gather-variable"]
+    assert set(api["checks"][0]) == set(cli["checks"][0])
+
+
+def test_env_check_returns_what_env_check_json_prints(tmp_path):
+    api = moebench.env_check(probe=False, results_dir=str(tmp_path / "api"))
+    cli = _cli_json("env-check", "--no-probe", results_dir=tmp_path / "cli")
+    assert set(api) == set(cli)
+    assert [c["id"] for c in api["checks"]] == [c["id"] for c in cli["checks"]]
+
+
+@pytest.mark.parametrize("call, flags", [
+    (lambda root: moebench.run("fastmoe", experts=0, results_dir=root), ["run", "fastmoe", "--experts", "0"]),
+    (lambda root: moebench.verify_parity(world_size=0, results_dir=root), ["verify-parity", "-n", "0"]),
+    (lambda root: moebench.env_check(probe_timeout_s=0, results_dir=root), ["env-check", "--probe-timeout", "0"]),
+], ids=["experts-0", "world-size-0", "probe-timeout-0"])
+def test_bad_input_is_the_clis_user_error_and_writes_nothing(tmp_path, call, flags):
+    root = tmp_path / "results"
+    with pytest.raises(UserError) as caught:
+        call(str(root))
+    assert str(caught.value) == _cli_error(*flags, results_dir=root)
+    assert _runs(root) == []
+
+
+def test_bad_python_values_are_user_errors(tmp_path):
+    root = str(tmp_path / "results")
+    with pytest.raises(UserError, match="no setting 'expert'.*experts"):
+        moebench.run("fastmoe", expert=4, results_dir=root)
+    with pytest.raises(UserError, match="--steps: must be int, got True"):
+        moebench.run("fastmoe", steps=True, results_dir=root)
+    with pytest.raises(UserError, match="--lr: must be float, got '0.1'"):
+        moebench.run("fastmoe", lr="0.1", results_dir=root)
+    with pytest.raises(UserError, match="unknown variant 'fast'"):
+        moebench.run("fast", results_dir=root)
+    with pytest.raises(UserError, match="--checks: unknown check"):
+        moebench.verify_parity(checks="all-gather-variable,nope", results_dir=root)
+    assert _runs(tmp_path / "results") == []
