@@ -148,6 +148,7 @@ WORLD_SIZE_BOUND = Number(integer=True, min=1, max=MAX_WORLD_SIZE, why="local ra
 
 
 def require_world_size(world_size: object) -> None:
+    bounds.check(WORLD_SIZE_BOUND, world_size, "--world-size")  # the same message as the CLI's
     require_positive_ints({"--world-size": world_size})
     if world_size > MAX_WORLD_SIZE:
         raise UserError(f"must be at most {MAX_WORLD_SIZE} local ranks, got {world_size}; for more, start "
@@ -181,8 +182,8 @@ class ModelConfig:
     """Attention heads; must divide --d-model."""
 
     def __post_init__(self) -> None:
+        bounds.check_fields(self)  # first: the same message as the CLI's reading of the flag
         require_positive_ints({"--layers": self.layers, "--d-model": self.d_model, "--heads": self.heads})
-        bounds.check_fields(self)
         if self.d_model % self.heads:
             raise UserError(f"d_model {self.d_model} is not divisible by {self.heads} heads; "
                             "pick --heads that divides --d-model", flag="--heads")
@@ -212,6 +213,7 @@ class TrainConfig:
     """Seeds the weights, the data and the gate noise (0 to 2**63-1)."""
 
     def __post_init__(self) -> None:
+        bounds.check_fields(self)  # first: the same message as the CLI's reading of the flag
         require_positive_ints({"--batch-size": self.batch_size, "--seq-len": self.seq_len,
                                "--samples": self.samples, "--epochs": self.epochs})
         if self.steps is not None:

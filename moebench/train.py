@@ -154,8 +154,8 @@ def _progress():
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     return Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]:.4f}  aux {task.fields[aux]:.4f}  {task.fields[tps]:,.0f} tok/s steady"),
+        TextColumn("[bold]{task.description}"), BarColumn(bar_width=None), MofNCompleteColumn(),  # bar: what is left
+        TextColumn("loss {task.fields[loss]:.4f} aux {task.fields[aux]:.4f} {task.fields[tps]:,.0f} tok/s"),
         TimeElapsedColumn(), transient=False, refresh_per_second=4,
         console=Console(stderr=True),  # stdout carries only the result (or the --json document)
     )

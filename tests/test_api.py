@@ -75,7 +75,7 @@ def test_env_check_returns_what_env_check_json_prints(tmp_path):
 
 @pytest.mark.parametrize("call, flags", [
     (lambda root: moebench.run("fastmoe", experts=0, results_dir=root), ["run", "fastmoe", "--experts", "0"]),
-    (lambda root: moebench.verify_parity(world_size=0, results_dir=root), ["verify-parity", "-n", "0"]),
+    (lambda root: moebench.verify_parity(world_size=0, results_dir=root), ["verify-parity", "--world-size", "0"]),
     (lambda root: moebench.env_check(probe_timeout_s=0, results_dir=root), ["env-check", "--probe-timeout", "0"]),
 ], ids=["experts-0", "world-size-0", "probe-timeout-0"])
 def test_bad_input_is_the_clis_user_error_and_writes_nothing(tmp_path, call, flags):

@@ -7,14 +7,12 @@ from typing import Optional
 
 import typer
 
-from moebench.bounds import Number
 from moebench.cli import flags
-from moebench.envcheck.check import MAX_PROBE_TIMEOUT_S  # torch-free: the one limit
+from moebench.envcheck.check import PROBE_TIMEOUT_BOUND  # torch-free: the one limit
 from moebench.errors import UserError
 
 app = typer.Typer()
 
-PROBE_TIMEOUT_BOUND = Number(integer=False, min=0, above=True, max=MAX_PROBE_TIMEOUT_S, why="1 h")
 
 EXAMPLES = """Examples:
 

@@ -109,6 +109,16 @@ MAX_PROBE_TIMEOUT_S = 3600.0
 """--probe-timeout's upper bound: an hour is far beyond any NCCL init; more is a typo."""
 
 
+def _probe_timeout_bound():
+    from moebench.bounds import Number
+
+    return Number(integer=False, min=0, above=True, max=MAX_PROBE_TIMEOUT_S, why="1 h")
+
+
+PROBE_TIMEOUT_BOUND = _probe_timeout_bound()
+"""--probe-timeout's bound (moebench.bounds), read by the CLI and by require_probe_timeout."""
+
+
 def require_probe_timeout(seconds: object) -> None:
     """UserError unless `seconds` is a number in (0, MAX_PROBE_TIMEOUT_S] (checked before torch loads)."""
     import math
@@ -117,5 +127,8 @@ def require_probe_timeout(seconds: object) -> None:
 
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
         raise UserError(f"must be a number of seconds, got {seconds!r}", flag="--probe-timeout")
+    from moebench import bounds
+
+    bounds.check(PROBE_TIMEOUT_BOUND, seconds, "--probe-timeout")  # the same message as the CLI's
     if not (math.isfinite(seconds) and 0 < seconds <= MAX_PROBE_TIMEOUT_S):
         raise UserError(f"must be in (0, {MAX_PROBE_TIMEOUT_S:.0f}] seconds, got {seconds:g}", flag="--probe-timeout")

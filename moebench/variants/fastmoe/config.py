@@ -50,8 +50,8 @@ class FastMoEConfig:
     """fastmoe variant: auto (real fmoe where it runs, else the reference port), fmoe or reference."""
 
     def __post_init__(self) -> None:
+        bounds.check_fields(self)  # first: the same message as the CLI's reading of the flag
         require_positive_ints({"--experts": self.experts, "--d-hidden": self.d_hidden, "--top-k": self.top_k})
-        bounds.check_fields(self)
         require_choice(self.gate, GATE_NAMES, "--gate")
         require_choice(self.moe_impl, MOE_IMPLS, "--moe-impl")
         if self.top_k > self.experts:
