@@ -1,10 +1,19 @@
 """Ctrl-C and SIGTERM, the same way at every moment of a command (no torch import here).
 
-The console script installs `on_signal` before anything else is imported. The first SIGINT or
-SIGTERM is remembered and raised as KeyboardInterrupt; later ones are only remembered, so the
-clean-up the first one started (killing ranks, writing "interrupted") is not cut short. A signal
-that some library swallowed (an import catching everything) is not lost: `check()` re-raises it
-before a run folder is created, and the command exits 130 whatever happened after it.
+The handler only records the signal; it never raises. An exception raised from a handler lands
+wherever the interpreter happens to be - inside logging's lock release, a finaliser, a callback -
+where Python can only print "Exception ignored in ..." and drop it: the run then went on and wrote
+"ok" while the command exited 130. Instead the program acts on a recorded signal at safe points
+(`check()`, which raises KeyboardInterrupt in ordinary code): a training step's boundary, a parity
+check's boundary and the launch's wait loop, a bench point, a report's steps, the creation of a
+run folder, and the writing of the final summary.json.
+
+Exit code and summary.json agree by construction:
+- `RunDir.finish` writes the final status through `committing()`: a signal recorded and not yet
+  acted on turns an "ok" (or "failed") into "interrupted", and raises KeyboardInterrupt (exit 130);
+- once the final status is written the command is *committed*: a later signal is ignored, and the
+  exit code follows the file (ok 0, failed 1, interrupted 130);
+- `pending()` (recorded, not committed) is what makes a command exit 130.
 """
 
 from __future__ import annotations
@@ -13,22 +22,26 @@ import contextlib
 import signal
 
 _received: int | None = None
+_committed = False
 _ignoring = False
+_interrupted_run: str | None = None
+
+HANDLED = (signal.SIGINT, signal.SIGTERM)
 
 
 def on_signal(signum, frame) -> None:
+    """Record the first SIGINT / SIGTERM (later ones are the same request). Never raises."""
     global _received
-    first = _received is None
+    if _committed or _ignoring or _received is not None:
+        return
     _received = signum
-    if first and not _ignoring:
-        raise KeyboardInterrupt(f"signal {signum}")
 
 
 def install() -> None:
     """SIGINT and SIGTERM -> `on_signal` (main thread only; elsewhere a no-op)."""
     with contextlib.suppress(ValueError):
-        signal.signal(signal.SIGINT, on_signal)
-        signal.signal(signal.SIGTERM, on_signal)
+        for sig in HANDLED:
+            signal.signal(sig, on_signal)
 
 
 def ignore() -> None:
@@ -38,36 +51,87 @@ def ignore() -> None:
     global _ignoring
     _ignoring = True
     with contextlib.suppress(ValueError, OSError):
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for sig in HANDLED:
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def received() -> int | None:
-    """The first signal received since `install`, or None."""
+    """The first signal recorded since `install` (or `reset`), or None."""
     return _received
 
 
+def pending() -> bool:
+    """A signal was recorded and the command has not yet written how it ended: it must exit 130."""
+    return _received is not None and not _committed
+
+
+def describe() -> str:
+    """"SIGINT" / "SIGTERM" for the signal recorded ("a signal" when none)."""
+    return signal.Signals(_received).name if _received is not None else "a signal"
+
+
 def check() -> None:
-    """Raise KeyboardInterrupt now if a signal arrived (and was swallowed on its way)."""
-    if _received is not None:
-        raise KeyboardInterrupt(f"signal {_received}")
+    """A safe point: raise KeyboardInterrupt now if a signal is pending."""
+    if pending():
+        raise KeyboardInterrupt(describe())
+
+
+@contextlib.contextmanager
+def held():
+    """Hold SIGINT / SIGTERM (main thread) for the few lines inside: they are delivered on exit."""
+    try:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, set(HANDLED))
+    except (AttributeError, ValueError, OSError):  # no pthread_sigmask on this platform
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def commit() -> None:
+    """The command's final status is on disk: the exit code follows it; later signals are ignored."""
+    global _committed
+    _committed = True
+
+
+def note_interrupted(run_path) -> None:
+    """Remember the run folder recorded "interrupted", for the console message."""
+    global _interrupted_run
+    _interrupted_run = str(run_path)
+
+
+def interrupted_run() -> str | None:
+    """The run folder this command recorded "interrupted" (None: no folder had been created)."""
+    return _interrupted_run
+
+
+def interrupted_message() -> str:
+    """What the console says when a command was interrupted (two lines, each short)."""
+    where = (f"\n{_interrupted_run} says \"interrupted\" (summary.json)" if _interrupted_run
+             else "\nnothing was recorded (no run folder had been created)")
+    return f"interrupted ({describe()}): every rank was stopped{where}"
 
 
 def reset() -> None:
-    """Forget a received signal (tests that run several commands in one process)."""
-    global _received, _ignoring
-    _received, _ignoring = None, False
+    """Forget a received signal and a commit (tests that run several commands in one process)."""
+    global _received, _ignoring, _committed, _interrupted_run
+    _received, _ignoring, _committed, _interrupted_run = None, False, False, None
 
 
 @contextlib.contextmanager
 def sigterm_as_interrupt():
-    """Inside, SIGTERM behaves like Ctrl-C (KeyboardInterrupt) for code that runs without the
-    console script (the run driver called as a library). Outside the main thread it does nothing."""
+    """Inside, SIGTERM is recorded like Ctrl-C (and acted on at the next safe point) for code that
+    runs without the console script (the run driver called as a library: then each call starts
+    afresh, with no signal recorded and nothing committed). Outside the main thread it does nothing."""
     try:
         previous = signal.signal(signal.SIGTERM, on_signal)
     except ValueError:  # signals can only be set from the main thread
         yield
         return
+    if previous is not on_signal:  # not under the console script (nor nested): a new command starts
+        reset()
     try:
         yield
     finally:

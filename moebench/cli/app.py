@@ -40,7 +40,7 @@ class _Group(TyperGroup):
         except typer.Abort:
             typer.echo("interrupted", err=True)
             code = 130
-        if signals.received() is not None:  # never a swallowed Ctrl-C / SIGTERM
+        if signals.pending():  # a Ctrl-C / SIGTERM not acted on: 130 (after a commit, the files decide)
             code = 130
         if standalone_mode:
             sys.exit(code)
@@ -48,6 +48,7 @@ class _Group(TyperGroup):
 
     def invoke(self, ctx):
         try:
+            signals.check()  # a safe point: a signal during the start-up imports stops here
             return super().invoke(ctx)
         except UserError as exc:
             typer.echo(f"error: {exc}", err=True)
@@ -57,8 +58,7 @@ class _Group(TyperGroup):
             typer.echo(f"run failed: {exc}{where}", err=True)
             raise typer.Exit(code=exc.exit_code) from None
         except KeyboardInterrupt:
-            typer.echo("interrupted (Ctrl-C or SIGTERM): every rank was stopped; a run that had started "
-                       "says \"interrupted\" in its summary.json", err=True)
+            typer.echo(signals.interrupted_message(), err=True)
             raise typer.Exit(code=130) from None
 
 

@@ -47,6 +47,11 @@ def report(
         if run is not None:
             typer.echo(f"{kind:<10} {run.run_id} ({run.status})")
     console.print(verdict_table(outcome.rows))
+    for kind, run in outcome.primary.items():  # what could not be judged, and why
+        if run is not None and run.damage:
+            claims = sum(r["variant"] == kind for r in outcome.rows)
+            what = f"{claims} {kind} claim(s)" if claims else f"the {kind} section"
+            typer.echo(f"not judged ({what}): run {run.run_id} is damaged:\n  {run.damage}")
     c = outcome.counts
     console.print(f"{c['reproduced']} reproduced, {c['differs']} differ, {c['not run']} not run; "
                   "reasons in REPORT.md")

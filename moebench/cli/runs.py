@@ -4,6 +4,7 @@ reader should see it ("abandoned" where the writer died while the files said "ru
 from __future__ import annotations
 
 import json
+import textwrap
 from typing import Optional
 
 import typer
@@ -29,16 +30,18 @@ def runs(
     if results_dir is not None and not results_dir.strip():
         raise UserError("is empty; pass a folder (or leave it out for ./results)", flag="--results-dir")
     root = results.results_root(results_dir)
+    if root.exists() and not root.is_dir():
+        raise UserError(f"{root} is a file, not a results folder; pass the folder that holds <kind>/<run-id> "
+                        "folders (default ./results)", flag="--results-dir")
     kinds = [kind] if kind else sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
     rows = []
     for name in kinds:
         for run in results.latest_runs(name, root):
-            try:
-                summary = results.read_json(run / "summary.json")
-            except (OSError, ValueError):
-                summary = {}
-            rows.append({"kind": name, "run_id": run.name, "status": results.status_of(run),
-                         "wall_time_s": summary.get("wall_time_s"), "run_path": str(run)})
+            files = results.read_run(run)  # every file through its schema: damage is named, never a crash
+            summary = files.summary if not files.damage else {}
+            rows.append({"kind": name, "run_id": run.name, "status": files.status,
+                         "wall_time_s": summary.get("wall_time_s"), "run_path": str(run),
+                         **({"damage": files.damage} if files.damage else {})})
     if as_json:
         typer.echo(json.dumps({"runs": rows}, indent=2))
         return
@@ -48,3 +51,10 @@ def runs(
     for row in rows:
         wall = "-" if row["wall_time_s"] is None else f"{row['wall_time_s']:.1f} s"
         typer.echo(f"{row['kind']:<10} {row['run_id']:<36} {row['status']:<12} {wall:>9}")
+        if row.get("damage"):
+            typer.echo(textwrap.fill(row["damage"], width=DAMAGE_WIDTH, initial_indent="  damaged: ",
+                                     subsequent_indent="    "))
+
+
+DAMAGE_WIDTH = 80
+"""The damage line under a run is wrapped at 80 columns."""

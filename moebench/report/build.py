@@ -11,7 +11,7 @@ import datetime
 from pathlib import Path
 from typing import Callable
 
-from moebench import published, results
+from moebench import published, results, signals
 from moebench.report import collect, figures
 from moebench.report.claims import (
     DIFFERS,
@@ -151,10 +151,7 @@ def _env_blocks(run: collect.Run | None) -> list[Block]:
     blocks.append(Para(f"env-check {run.run_id}: " + ", ".join(f"{counts.get(s, 0)} {s}" for s in
                                                                  ("ok", "warn", "fail", "skip"))
                        + ("" if run.ok else f" ({run.not_ok_reason()})")))
-    try:
-        checks = results.read_json(run.path / run.summary.get("report", "envcheck.json")).get("checks", [])
-    except (OSError, ValueError):
-        checks = []
+    checks = (run.documents.get("envcheck.json") or {}).get("checks", [])
     order = {"fail": 0, "warn": 1, "ok": 2, "skip": 3}
     checks = sorted(checks, key=lambda c: order.get(c.get("status"), 4))
     if checks:
@@ -196,10 +193,7 @@ def _variant_blocks(kind: str, run: collect.Run | None, out: Path) -> list[Block
     blocks.append(Bullets(tuple(facts)))
     by_category = (summary.get("params") or {}).get("by_category")
     if not by_category:
-        try:
-            by_category = results.read_json(run.path / "params.json").get("by_category")
-        except (OSError, ValueError):
-            by_category = None
+        by_category = (run.documents.get("params.json") or {}).get("by_category")
     if by_category:
         png = figures.plot_params(by_category, PARAMS_PUBLISHED.get(kind, {}), out / f"params-{kind}.png",
                                   title=f"{kind}: parameters by category")
@@ -398,6 +392,9 @@ def build_report(paths: list[str], *, root: str | None = None, since: str | None
     if since is not None and paths:
         raise UserError("applies to the latest runs only; drop it, or the RUN folders", flag="--since")
     since_time = collect.parse_since(since) if since is not None else None  # a bad flag before a missing folder
+    if not paths and root_path.exists() and not root_path.is_dir():
+        raise UserError(f"{root_path} is a file, not a results folder; pass the folder that holds "
+                        "<kind>/<run-id> folders (default ./results)", flag="--results-dir")
     if not paths and not root_path.is_dir():
         raise UserError(f"{root_path} does not exist; point it at a results folder (default ./results)",
                         flag="--results-dir")
@@ -418,7 +415,8 @@ def build_report(paths: list[str], *, root: str | None = None, since: str | None
             Para(f"Compared with {published.CHAPTER}, sections 6.4.1-6.4.4. Built "
                  f"{datetime.datetime.now().isoformat(timespec='seconds')} from results files only."),
             Table(headers=("kind", "run", "status", "folder"),
-                  rows=tuple((kind, r.run_id, r.status, str(r.path)) for kind in collect.KINDS for r in chosen[kind]),
+                  rows=tuple((kind, r.run_id, r.error if r.damage else r.status, str(r.path))
+                             for kind in collect.KINDS for r in chosen[kind]),
                   classes=tuple(r.status for kind in collect.KINDS for r in chosen[kind])),
             Heading("Verdicts"),
             Para(f"{counts[REPRODUCED]} reproduced, {counts[DIFFERS]} differ, {counts[NOT_RUN]} not run. "
@@ -428,11 +426,17 @@ def build_report(paths: list[str], *, root: str | None = None, since: str | None
             *_env_blocks(primary["env"]),
         ]
         for kind in collect.VARIANT_KINDS:
+            signals.check()  # safe points between the report's steps (each draws a figure or two)
             blocks += _variant_blocks(kind, primary[kind], out)
+        signals.check()
         blocks += _expert_blocks(chosen, out)
+        signals.check()
         blocks += _parity_blocks(primary["parity"], out)
+        signals.check()
         blocks += _comparison_blocks(chosen, out)
+        signals.check()
         blocks += _bench_blocks(_latest_bench(root_path, "rows"), _latest_bench(root_path, "train"), out)
+        signals.check()
 
         results.write_text_atomic(out / "REPORT.md", markdown(blocks))
         results.write_text_atomic(out / "report.html", html_document(blocks, title="moebench report"))
@@ -440,8 +444,9 @@ def build_report(paths: list[str], *, root: str | None = None, since: str | None
                                            "html": "report.html",
                                            "figures": sorted(p.name for p in out.glob("*.png"))})
     except BaseException as exc:  # the folder says how it ended, then the error goes on
-        status = results.STATUS_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else results.STATUS_FAILED
-        run_dir.finish(status, {"error": f"{type(exc).__name__}: {exc}"})
+        if run_dir.ended is None:  # (`finish` itself records an interruption it acts on)
+            status = results.STATUS_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else results.STATUS_FAILED
+            run_dir.finish(status, {"error": f"{type(exc).__name__}: {exc}"})
         raise
     return ReportResult(path=out, rows=rows, counts=counts, runs=chosen, primary=primary)
 

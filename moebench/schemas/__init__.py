@@ -80,6 +80,28 @@ def _check(validator, document: Any, where: str) -> None:
         raise _relocated(error, where)
 
 
+MESSAGE_CHARS = 160
+"""A schema error quotes the offending value; a long list or string is cut to keep the reason one line."""
+
+
+def first_error(name: str, document: Any) -> str | None:
+    """Why `document` does not match the schema of the file `name` ("<key path>: <message>", one short
+    line), or None when it matches. The reader of results files (moebench.results.read_back) uses it."""
+    import jsonschema
+
+    schema_file = SCHEMA_FILES.get(Path(name).name)
+    if schema_file is None:
+        raise ValueError(f"no schema for a file named {Path(name).name!r}; known: {', '.join(SCHEMA_FILES)}")
+    error = jsonschema.exceptions.best_match(_validator(schema_file).iter_errors(document))
+    if error is None:
+        return None
+    path = "".join(f"[{p!r}]" for p in error.absolute_path)
+    message = " ".join(error.message.split())
+    if len(message) > MESSAGE_CHARS:
+        message = message[:MESSAGE_CHARS - 3] + "..."
+    return f"{path}: {message}" if path else message
+
+
 def validate_document(name: str, document: Any, where: str | None = None) -> None:
     """Validate one parsed document (one metrics line for metrics.jsonl) against the schema of `name`."""
     schema_file = SCHEMA_FILES.get(Path(name).name)
