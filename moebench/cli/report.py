@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 from typing import List, Optional
 
 import typer
@@ -36,7 +37,9 @@ def report(
     outcome = build_report(list(runs or []), root=results_dir, since=since)
     if as_json:
         typer.echo(json.dumps({"report_path": str(outcome.path), "counts": outcome.counts,
-                               "verdicts": outcome.rows}, default=str))
+                               "verdicts": outcome.rows,
+                               "not_judged": {kind: f"{run.path}: {run.damage}"
+                                              for kind, run in outcome.damaged.items()}}, default=str))
         return
     from rich.console import Console
 
@@ -47,11 +50,11 @@ def report(
         if run is not None:
             typer.echo(f"{kind:<10} {run.run_id} ({run.status})")
     console.print(verdict_table(outcome.rows))
-    for kind, run in outcome.primary.items():  # what could not be judged, and why
-        if run is not None and run.damage:
-            claims = sum(r["variant"] == kind for r in outcome.rows)
-            what = f"{claims} {kind} claim(s)" if claims else f"the {kind} section"
-            typer.echo(f"not judged ({what}): run {run.run_id} is damaged:\n  {run.damage}")
+    for kind, run in outcome.damaged.items():  # what could not be judged, and why
+        claims = sum(r["variant"] == kind for r in outcome.rows)
+        what = f"{claims} {kind} claim(s)" if claims else f"the {kind} section"
+        typer.echo(f"not judged ({what}): run {run.run_id} is damaged:")
+        typer.echo(textwrap.fill(run.damage, width=80, initial_indent="  ", subsequent_indent="    "))
     c = outcome.counts
     console.print(f"{c['reproduced']} reproduced, {c['differs']} differ, {c['not run']} not run; "
                   "reasons in REPORT.md")

@@ -40,6 +40,9 @@ class ReportResult:
     runs: dict[str, list[collect.Run]]
     primary: dict[str, collect.Run | None]
     """Per kind, the run its claims were judged on."""
+    damaged: dict[str, collect.Run] = dataclasses.field(default_factory=dict)
+    """Per kind (env, fastmoe, deepspeed, parity, bench), the damaged run the report would have
+    read: its claims or section are not judged, and the report says so."""
 
 
 def chapter_config(kind: str) -> dict:
@@ -314,6 +317,8 @@ def _bench_blocks(sweep: collect.Run | None, train: collect.Run | None, out: Pat
 
 
 def _bench_sweep_blocks(run: collect.Run, out: Path) -> list[Block]:
+    if run.damage:
+        return [Para(f"Not shown: {run.not_ok_reason()}.")]
     summary = run.summary
     blocks: list[Block] = [Para(f"bench {run.run_id} (started {summary.get('started_at', '?')}, status {run.status}, "
                                 f"{summary.get('threads', '?')} threads): forward + backward of one MoE layer, median "
@@ -347,6 +352,8 @@ def _bench_sweep_blocks(run: collect.Run, out: Path) -> list[Block]:
 
 
 def _bench_train_blocks(run: collect.Run) -> list[Block]:
+    if run.damage:
+        return []  # said once, by the sweep's blocks (the same newest run)
     train = run.summary.get("train") or {}
     rates = train.get("rates") or {}
     blocks: list[Block] = [Para(
@@ -366,7 +373,7 @@ def _bench_train_blocks(run: collect.Run) -> list[Block]:
 def _latest_bench(root: Path, section: str) -> collect.Run | None:
     """The newest bench run whose summary has `section` (a sweep's rows, or --train's breakdown)."""
     run = collect.latest(root, "bench", prefer=lambda r: bool(r.summary.get(section)))
-    return run if run is not None and run.summary.get(section) else None
+    return run if run is not None and (run.damage or run.summary.get(section)) else None
 
 
 def _fmt(value, spec: str = ".4f") -> str:
@@ -435,20 +442,25 @@ def build_report(paths: list[str], *, root: str | None = None, since: str | None
         signals.check()
         blocks += _comparison_blocks(chosen, out)
         signals.check()
-        blocks += _bench_blocks(_latest_bench(root_path, "rows"), _latest_bench(root_path, "train"), out)
+        sweep, train = _latest_bench(root_path, "rows"), _latest_bench(root_path, "train")
+        blocks += _bench_blocks(sweep, train, out)
         signals.check()
+        damaged = {kind: run for kind, run in [*primary.items(), ("bench", sweep or train)]
+                   if run is not None and run.damage}
 
         results.write_text_atomic(out / "REPORT.md", markdown(blocks))
         results.write_text_atomic(out / "report.html", html_document(blocks, title="moebench report"))
         run_dir.finish(results.STATUS_OK, {"verdicts": rows, "counts": counts, "report": "REPORT.md",
                                            "html": "report.html",
+                                           **({"not_judged": {kind: f"{run.path}: {run.damage}" for kind, run
+                                                              in damaged.items()}} if damaged else {}),
                                            "figures": sorted(p.name for p in out.glob("*.png"))})
     except BaseException as exc:  # the folder says how it ended, then the error goes on
         if run_dir.ended is None:  # (`finish` itself records an interruption it acts on)
             status = results.STATUS_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else results.STATUS_FAILED
             run_dir.finish(status, {"error": f"{type(exc).__name__}: {exc}"})
         raise
-    return ReportResult(path=out, rows=rows, counts=counts, runs=chosen, primary=primary)
+    return ReportResult(path=out, rows=rows, counts=counts, runs=chosen, primary=primary, damaged=damaged)
 
 
 def _primary(kind: str, runs: list[collect.Run], prefer: Callable[[collect.Run], bool] | None):
