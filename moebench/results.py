@@ -155,7 +155,7 @@ def _parse(text: str, path: Path, where: str = "") -> Any:
     except RecursionError:
         raise Damaged(path, f"{where}nested too deeply to be a moebench file") from None
     except ValueError as exc:
-        cut = " (cut short?)" if isinstance(exc, json.JSONDecodeError) and exc.pos >= len(text.rstrip()) else ""
+        cut = " (cut short?)" if not text.rstrip().endswith(("}", "]")) else ""
         raise Damaged(path, f"{where}not JSON{cut}: {str(exc).splitlines()[0]}") from None
 
 
@@ -269,6 +269,10 @@ def read_run(path: str | os.PathLike) -> RunFiles:
                 damage = "summary.json: missing (every run folder has one)"
         except Damaged as exc:
             damage = damage or str(exc)
+    summary, metrics = documents.get("summary.json") or {}, documents.get("metrics.jsonl")
+    if not damage and metrics is not None and summary.get("status") == STATUS_OK and "steps" in summary \
+            and len(metrics) != summary["steps"]:  # one line per step: a file cut at a line's end
+        damage = f"metrics.jsonl: {len(metrics)} line(s) for the {summary['steps']} steps summary.json counts"
     return RunFiles(path=path, documents=documents, damage=damage)
 
 
