@@ -4,6 +4,7 @@ config (moebench/cli/flags.py). Flags -> config (preset <- flags) -> `train.run_
 from __future__ import annotations
 
 import json
+import textwrap
 
 import typer
 
@@ -59,7 +60,11 @@ def run_variant_command(variant, preset, overrides, *, show_config: bool, force:
     from moebench.distributed.env import is_printer
 
     results.check_root(results_dir, variant.name)
-    config = variants.resolve_config(variant, preset, overrides)
+    notes: list[str] = []
+    config = variants.resolve_config(variant, preset, overrides, notes=notes)
+    if is_printer():
+        for note in notes:  # a file's value that replaced the preset's: said, never silent
+            typer.echo(textwrap.fill(note, width=80, subsequent_indent="  "), err=True)
     if show_config:
         if is_printer():
             typer.echo(json.dumps(config_tree.as_dict(config), indent=2))

@@ -35,6 +35,9 @@ class Variant(Protocol):
         """Field values that files named in the config set (DeepSpeed's --ds-config), by field path;
         the flags in `explicit` win, and a conflicting one is a UserError."""
 
+    def file_notes(self, values: dict[tuple[str, ...], Any], preset_config: Any) -> list[str]:
+        """One line per value of `file_values` that replaces the preset's (the user is told)."""
+
     def prepare(self, config: Any) -> Any:
         """The config with every "auto" resolved for this machine (device, backends); UserError if
         the request cannot run here. Imports torch."""
@@ -56,9 +59,11 @@ class Variant(Protocol):
         """env-check's "what can run here": (status, found, hint) from the other checks' results."""
 
 
-def resolve_config(variant: Variant, preset: str | None, overrides: dict[tuple[str, ...], Any]) -> Any:
+def resolve_config(variant: Variant, preset: str | None, overrides: dict[tuple[str, ...], Any],
+                   notes: list[str] | None = None) -> Any:
     """Preset (default: the variant's) <- files it names <- flags, validated, "auto" resolved for
-    this machine. Under torchrun the launcher's WORLD_SIZE decides the world size."""
+    this machine. Under torchrun the launcher's WORLD_SIZE decides the world size. `notes`, when
+    given, receives one line per preset value a file replaced (the CLI prints them)."""
     explicit = {path: value for path, value in overrides.items() if value is not None}
     if is_launched_rank():
         explicit[("launch", "world_size")] = launched_world_size()
@@ -66,6 +71,8 @@ def resolve_config(variant: Variant, preset: str | None, overrides: dict[tuple[s
     config = config_tree.resolve(variant.config_cls, variant.name, preset, explicit)
     from_files = variant.file_values(explicit, config)
     if from_files:
+        if notes is not None:
+            notes.extend(variant.file_notes(from_files, config))
         config = config_tree.resolve(variant.config_cls, variant.name, preset, {**from_files, **explicit})
     return variant.prepare(config)
 
