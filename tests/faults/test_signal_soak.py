@@ -139,7 +139,7 @@ def soak(tmp_path: Path, inputs: Path, plan: list[tuple[Command, int, float]]) -
     start = time.monotonic()
     for i, (command, sig, offset) in enumerate(plan):
         got = trial(command, sig, offset, tmp_path / f"t{i}", inputs if command.name == "report" else None)
-        key = (command.name, "130" if got["code"] == 130 else str(got["code"]))
+        key = (command.name, str(got["code"]) + ("" if got.get("sent", True) else ", ended before the signal"))
         outcomes[key] = outcomes.get(key, 0) + 1
         for problem in got["problems"]:
             failures.append(f"{command.name} {signal.Signals(sig).name} at {offset:.2f} s: {problem}")
@@ -147,7 +147,7 @@ def soak(tmp_path: Path, inputs: Path, plan: list[tuple[Command, int, float]]) -
     took = time.monotonic() - start
     print(f"\nsignal soak: {len(plan)} trials in {took:.0f} s; {len(failures)} disagreement(s) or survivor(s)")
     for (name, code), count in sorted(outcomes.items()):
-        print(f"  {name:<15} exit {code:>4}: {count}")
+        print(f"  {name:<15} exit {code}: {count}")
     return failures
 
 
