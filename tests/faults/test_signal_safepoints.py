@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -141,3 +142,30 @@ def test_a_parity_folder_unwritable_at_the_end_prints_every_verdict_and_one_line
     assert "2 passed, 0 failed, 0 skipped" in done.output and "not saved" in done.output
     errors = [line for line in done.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Permission denied; the verdicts above are not saved" in errors[0], done.output
+
+
+def test_a_signal_with_no_safe_point_in_sight_is_raised_after_the_grace(tmp_path):
+    """Inside a blocking call (here a sleep) no safe point comes: after SAFE_POINT_GRACE_S the
+    signal is delivered again and raised, and the run is recorded "interrupted"."""
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent("""
+        import time
+        from moebench import signals
+        from moebench.train import execute_run
+        signals.install()
+        def blocked(ctx, run_path):
+            print("running", flush=True)
+            time.sleep(600)
+        execute_run(kind="toy", name="blocked", config={}, world_size=1, rank_fn=blocked)
+    """))
+    env = {**os.environ, results.RESULTS_ENV: str(tmp_path / "r")}
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    assert proc.stdout.readline().strip() == "running"
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    took = time.monotonic() - sent
+    assert signals.SAFE_POINT_GRACE_S <= took < signals.SAFE_POINT_GRACE_S + 10, took
+    (run,) = (tmp_path / "r" / "toy").iterdir()
+    assert json.loads((run / "summary.json").read_text())["status"] == "interrupted", err
