@@ -13,7 +13,8 @@ The schemas are chosen by file name (results/<kind>/<run-id>/<name>):
     envcheck.json  envcheck.schema.json   (moebench.env-check/1)
     metrics.jsonl  metrics.schema.json    (every line; no `schema` key)
 
-Torch-free; jsonschema (the `test` extra) is imported only when something is validated.
+Torch-free; jsonschema (a dependency: moebench.results.read_back validates every file it reads)
+is imported only when something is validated.
 """
 
 from __future__ import annotations

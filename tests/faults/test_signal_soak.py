@@ -164,6 +164,7 @@ def test_signal_soak_100_trials(tmp_path, report_inputs):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.multirank
 def test_one_signal_in_each_command(tmp_path, report_inputs):
     """The default suite's share: one trial of each command, early enough to land mid-way."""
     rng = random.Random(os.environ.get("MOEBENCH_SOAK_SEED"))

@@ -21,7 +21,8 @@ from moebench import results
 from moebench.cli.app import app
 from moebench.schemas import SCHEMA_FILES
 
-pytestmark = pytest.mark.no_schema_check  # these tests damage results files on purpose
+pytestmark = [pytest.mark.no_schema_check,  # these tests damage results files on purpose
+              pytest.mark.multirank]  # the healthy parity run starts 2 ranks
 runner = CliRunner()
 
 BENCH = ["bench", "--experts", "2", "--tokens", "16", "--top-k", "1", "--d-model", "8", "--d-hidden", "8",
