@@ -29,7 +29,7 @@ def main() -> None:
         code = 130
     finally:
         signals.ignore()  # on the way out: a late signal must not kill the interpreter's shutdown
-    interrupted = signals.received() is not None
+    interrupted = signals.pending() or code == 130
     code = 130 if interrupted else code
     if interrupted or _is_torch_rank():
         finish_rank(code)

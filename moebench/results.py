@@ -15,6 +15,7 @@ validate their input first, so bad input leaves nothing under results/.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import math
@@ -125,13 +126,156 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
 
 
 def read_json(path: str | os.PathLike) -> Any:
+    """Raw JSON, unchecked (tests; moebench itself reads results files back through `read_back`)."""
     with open(path) as f:
         return json.load(f)
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """Raw JSON lines, unchecked (tests; moebench itself reads them through `read_back`)."""
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+class Damaged(ValueError):
+    """A results file that cannot be trusted: unreadable, not text, not strict JSON, or not what its
+    JSON Schema (moebench/schemas/) says. str() is "<file name>: <reason>", one line."""
+
+    def __init__(self, path: str | os.PathLike, reason: str) -> None:
+        self.path = Path(path)
+        self.reason = reason
+        super().__init__(f"{self.path.name}: {reason}")
+
+
+def _not_strict(constant: str):
+    raise ValueError(f"{constant} is not strict JSON (moebench writes non-finite numbers as strings)")
+
+
+def _parse(text: str, path: Path, where: str = "") -> Any:
+    try:
+        return json.loads(text, parse_constant=_not_strict)
+    except RecursionError:
+        raise Damaged(path, f"{where}nested too deeply to be a moebench file") from None
+    except ValueError as exc:
+        cut = " (cut short?)" if not text.rstrip().endswith(("}", "]")) else ""
+        raise Damaged(path, f"{where}not JSON{cut}: {str(exc).splitlines()[0]}") from None
+
+
+def _check(path: Path, document: Any, where: str = "") -> None:
+    from moebench import schemas
+
+    try:
+        error = schemas.first_error(path.name, document)
+    except RecursionError:
+        error = "nested too deeply to be a moebench file"
+    if error is not None:
+        raise Damaged(path, f"{where}{error}")
+
+
+def read_back(path: str | os.PathLike, *, cut_tail_ok: bool = False) -> Any:
+    """The one way moebench reads a results file back (summary, config, params, env, envcheck
+    JSON; metrics.jsonl as a list of its lines): parsed as strict JSON and validated against the
+    file's JSON Schema. Raises `Damaged` naming the file and what is wrong with it, and
+    FileNotFoundError when it is absent (whether that matters is the caller's to judge).
+
+    `cut_tail_ok`: a metrics.jsonl whose last line has no newline and does not parse is the
+    cut of a writer that was killed mid-line; that line is left out instead of being damage
+    (for runs that did not end "ok")."""
+    from moebench import schemas
+
+    path = Path(path)
+    if path.name not in schemas.SCHEMA_FILES:
+        raise ValueError(f"{path}: moebench has no schema for a file named {path.name!r}")
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise
+    except IsADirectoryError:
+        raise Damaged(path, "is a folder, not a file") from None
+    except OSError as exc:
+        raise Damaged(path, f"cannot be read ({exc.strerror or exc})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise Damaged(path, "is not UTF-8 text (binary?)") from None
+    if path.name not in schemas.JSONL_FILES:
+        document = _parse(text, path)
+        _check(path, document)
+        return document
+    lines = text.splitlines(keepends=True)
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"line {number}: "
+        if cut_tail_ok and number == len(lines) and not line.endswith("\n"):
+            try:
+                record = json.loads(line, parse_constant=_not_strict)
+            except ValueError:
+                break  # a killed writer's last line
+        else:
+            record = _parse(line, path, where)
+        _check(path, record, where)
+        records.append(record)
+    return records
+
+
+RUN_FILES = ("summary.json", "config.json", "params.json", "env.json", "envcheck.json", "metrics.jsonl")
+"""The files of a run folder that have a schema, in the order `read_run` checks them."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class RunFiles:
+    """A run folder as read back: every file with a schema that it holds, each validated."""
+
+    path: Path
+    documents: dict[str, Any]
+    """File name -> its validated content (metrics.jsonl: the list of its lines); damaged or
+    absent files are not in it."""
+    damage: str = ""
+    """"<file>: <reason>" for the first damaged file ("" when none is)."""
+
+    @property
+    def summary(self) -> dict | None:
+        return self.documents.get("summary.json")
+
+    @property
+    def config(self) -> dict | None:
+        return self.documents.get("config.json")
+
+    @property
+    def status(self) -> str:
+        """The run's status as a reader should see it: "damaged" when any of its files is,
+        "abandoned" for a "running" run whose writer died, else what summary.json says."""
+        if self.damage:
+            return STATUS_DAMAGED
+        return STATUS_ABANDONED if writer_gone(self.summary) else self.summary["status"]
+
+
+STATUS_DAMAGED = "damaged"
+"""A reader's status (never written): a file of the run folder is not what its schema says."""
+
+
+def read_run(path: str | os.PathLike) -> RunFiles:
+    """Read back every file with a schema in a run folder (see `read_back`); a missing
+    summary.json is damage, the other files are optional."""
+    path = Path(path)
+    documents: dict[str, Any] = {}
+    damage = ""
+    for name in RUN_FILES:
+        try:
+            ended_ok = (documents.get("summary.json") or {}).get("status") == STATUS_OK
+            documents[name] = read_back(path / name, cut_tail_ok=not ended_ok)
+        except FileNotFoundError:
+            if name == "summary.json":
+                damage = "summary.json: missing (every run folder has one)"
+        except Damaged as exc:
+            damage = damage or str(exc)
+    summary, metrics = documents.get("summary.json") or {}, documents.get("metrics.jsonl")
+    if not damage and metrics is not None and summary.get("status") == STATUS_OK and "steps" in summary \
+            and len(metrics) != summary["steps"]:  # one line per step: a file cut at a line's end
+        damage = f"metrics.jsonl: {len(metrics)} line(s) for the {summary['steps']} steps summary.json counts"
+    return RunFiles(path=path, documents=documents, damage=damage)
 
 
 class RunDir:
@@ -141,6 +285,8 @@ class RunDir:
         self.path = path
         self._metrics = None
         self._started = time.time() if started is None else started
+        self.ended: str | None = None
+        """The final status written by `finish` (None until then)."""
 
     @classmethod
     def create(cls, kind: str, name: str = "", root: str | os.PathLike | None = None,
@@ -187,7 +333,7 @@ class RunDir:
             self._metrics.close()
             self._metrics = None
 
-    def _envelope(self, status: str) -> dict:
+    def envelope(self, status: str) -> dict:
         """The keys every summary.json has, whatever its kind."""
         return {"kind": self.kind, "run_id": self.run_id, "run_path": str(self.path.absolute()), "status": status,
                 "started_at": datetime.datetime.fromtimestamp(self._started).isoformat(timespec="seconds"),
@@ -195,13 +341,31 @@ class RunDir:
                 "launcher": launcher()}
 
     def start(self, summary: dict | None = None) -> None:
-        self.write_json("summary.json", {**self._envelope(STATUS_RUNNING), **(summary or {})})
+        self.write_json("summary.json", {**self.envelope(STATUS_RUNNING), **(summary or {})})
 
     def finish(self, status: str, summary: dict) -> dict:
-        """Write the final summary.json (ok / failed / interrupted) and return what it holds."""
+        """Write the final summary.json (ok / failed / interrupted) and return what it holds.
+
+        This is where the exit code and the file are made to agree (see signals.py): a signal
+        recorded and not yet acted on turns any status into "interrupted" (what was measured is
+        kept), written, then raised as KeyboardInterrupt; once written, the command is committed
+        to the status and later signals are ignored."""
+        from moebench import signals
+
         self.close()
-        document = {**self._envelope(status), **summary}
-        self.write_json("summary.json", document)
+        with signals.held():
+            converted = signals.pending() and status != STATUS_INTERRUPTED
+            if converted:
+                was = f"; it would have ended {status!r}" + (f" ({summary['error']})" if summary.get("error") else "")
+                status, summary = STATUS_INTERRUPTED, {**summary, "error": f"interrupted ({signals.describe()}){was}"}
+            document = {**self.envelope(status), **summary}
+            self.write_json("summary.json", document)
+            self.ended = status
+            signals.commit()
+        if status == STATUS_INTERRUPTED:
+            signals.note_interrupted(self.path.absolute())
+        if converted:
+            raise KeyboardInterrupt(signals.describe())
         return {"schema": SCHEMAS["summary.json"], **document}
 
 
@@ -225,12 +389,9 @@ def writer_gone(summary: dict) -> bool:
 
 
 def status_of(run_path: Path) -> str:
-    """A run folder's status as a reader should see it (running -> abandoned when its writer died)."""
-    try:
-        summary = read_json(run_path / "summary.json")
-    except (OSError, ValueError):
-        return "unreadable"
-    return STATUS_ABANDONED if writer_gone(summary) else summary.get("status", "unknown")
+    """A run folder's status as a reader should see it (running -> abandoned when its writer died,
+    "damaged" when a file of it is)."""
+    return read_run(run_path).status
 
 
 def mark_abandoned(kind_dir: Path) -> list[Path]:
@@ -242,7 +403,7 @@ def mark_abandoned(kind_dir: Path) -> list[Path]:
     for run in kind_dir.iterdir():
         path = run / "summary.json"
         try:
-            summary = read_json(path)
+            summary = read_back(path)
             if writer_gone(summary):
                 error = (f"the writer (pid {summary['pid']} on {summary['host']}) ended without recording how "
                          "the run ended (killed with SIGKILL, or the machine went down)")

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from moebench import results
+from moebench import results, signals
 from moebench.distributed.launch import RankContext, launch, sigterm_as_interrupt, under_torchrun
 from moebench.errors import Interrupted, RunFailed
 
@@ -85,6 +85,7 @@ def train_loop(step_fn: StepFn, spec: LoopSpec, *, writer: results.RunDir | None
         if progress:
             progress.start()
         for step in range(spec.total_steps):
+            signals.check()  # a safe point: a Ctrl-C / SIGTERM ends the run at a step boundary
             t0 = time.perf_counter()
             record = step_fn(step)
             dt = time.perf_counter() - t0
@@ -240,6 +241,7 @@ def execute_run(
                                           in_process)
             summary = finish(rank_summary) if finish else rank_summary
             summary = {**summary, "machine": machine}
+            signals.check()
             if run is not None:
                 _plot(run, title=f"{kind} ({summary.get('moe_impl', kind)})  {run.run_id}", summary=summary,
                       aux_coef=(config.get("train") or {}).get("aux_loss_coef"))
@@ -297,7 +299,7 @@ def record_end(run: results.RunDir | None, status: str, error: str) -> str:
     """Write the final status, as well as can be: "" when written, else why not (a read-only or
     full disk must not turn the failure into a traceback; a later command reports the run as
     abandoned from its pid)."""
-    if run is None:
+    if run is None or run.ended == results.STATUS_INTERRUPTED:  # already recorded (by `finish`)
         return ""
     try:
         run.finish(status, {"error": error})
@@ -339,7 +341,7 @@ def _plot(run: results.RunDir, *, title: str, summary: dict, aux_coef: float | N
 
     metrics = run.path / "metrics.jsonl"
     if metrics.exists():
-        report.plot_loss(results.read_jsonl(metrics), run.path / "loss.png", title=title,
+        report.plot_loss(results.read_back(metrics), run.path / "loss.png", title=title,
                          steps_per_epoch=summary.get("steps_per_epoch"),
                          eval_loss=(summary.get("test") or {}).get("loss"), aux_coef=aux_coef)
 

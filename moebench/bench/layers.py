@@ -26,6 +26,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from moebench import signals
+
 LAYERS = ("ideal", "dense", "reference", "reference-balanced", "deepspeed-cf1", "deepspeed-cf2", "fmoe", "grouped-mm")
 
 
@@ -322,6 +324,7 @@ def run_sweep(points: list[Point], layers: tuple[str, ...] = LAYERS, repeats: in
     rows, breakdown = [], []
     try:
         for p in points:
+            signals.check()  # a safe point between points
             if log:
                 log(f"E={p.experts} T={p.tokens} k={p.top_k} d={p.d_model}/{p.d_hidden}")
             fns, skipped = build_layers(p, layers, ds)

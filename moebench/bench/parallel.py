@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from moebench import signals
 from moebench.bench.layers import Point, profile_shares, release_memory, time_call, warm_up
 from moebench.distributed.env import usable_cores
 
@@ -168,6 +169,7 @@ def run_expert_parallel(points: list[Point], world_sizes: list[int], layers: tup
     release_memory()  # forked ranks start from this process's memory
     rows: list[dict] = []
     for world in world_sizes:
+        signals.check()  # a safe point between launches (inside one, the launch's wait loop)
         if log:
             log(f"expert parallel on {world} rank(s)")
         result = check(launch(_ep_rank, world, args=(points, layers, repeats, warmup, profile, timeout_s),

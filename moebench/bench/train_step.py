@@ -17,6 +17,8 @@ import time
 
 import torch
 
+from moebench import signals
+
 PHASES = ("data", "forward", "backward", "optimizer")
 ADAM_BYTES_PER_PARAM = 28
 """Adam reads weight, gradient, exp_avg and exp_avg_sq and writes weight, exp_avg and exp_avg_sq:
@@ -137,6 +139,7 @@ def run_train(preset: str = "chapter", *, steps: int = 3, warmup: int = 1, log=N
              "bandwidth_probes": probes, "threads": torch.get_num_threads()}
     out = []
     for variant in variants.VARIANTS:
+        signals.check()  # a safe point between presets
         if log:
             log(f"training step: {variant.name} --preset {preset}")
         config = variants.resolve_config(variant, preset, {})

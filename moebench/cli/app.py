@@ -13,7 +13,7 @@ from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageErro
 
 from moebench import __version__, bounds, signals
 from moebench.cli.help import CONTEXT_SETTINGS, WholeSentenceGroup
-from moebench.errors import Interrupted, RunFailed, UserError
+from moebench.errors import RunFailed, UserError
 
 PEER_REFUSAL_GRACE_S = 3.0
 """A rank other than 0 that refuses bad input waits this long before exiting, so that rank 0,
@@ -53,7 +53,7 @@ class _Group(WholeSentenceGroup):
         except typer.Abort:
             typer.echo("interrupted", err=True)
             code = 130
-        if signals.received() is not None:  # never a swallowed Ctrl-C / SIGTERM
+        if signals.pending():  # a Ctrl-C / SIGTERM not acted on: 130 (after a commit, the files decide)
             code = 130
         if standalone_mode:
             sys.exit(code)
@@ -61,6 +61,7 @@ class _Group(WholeSentenceGroup):
 
     def invoke(self, ctx):
         try:
+            signals.check()  # a safe point: a signal during the start-up imports stops here
             return super().invoke(ctx)
         except UserError as exc:  # every rank of a launched job refuses the same input: rank 0 says it
             if _talks():
@@ -77,16 +78,8 @@ class _Group(WholeSentenceGroup):
             raise typer.Exit(code=exc.exit_code) from None
         except KeyboardInterrupt as exc:  # on a launched job's other ranks, the launcher's SIGTERM: rank 0 says why
             if _talks():
-                typer.echo(_interrupted_text(exc), err=True)
+                typer.echo(signals.interrupted_message(getattr(exc, "run_path", None)), err=True)
             raise typer.Exit(code=130) from None
-
-
-def _interrupted_text(exc: KeyboardInterrupt) -> str:
-    if isinstance(exc, Interrupted):  # the folder it marked: a plain line, so the path can be copied
-        return (f"interrupted (Ctrl-C or SIGTERM): every rank was stopped; its summary.json says \"interrupted\""
-                f"\nresults: {exc.run_path}")
-    return ("interrupted (Ctrl-C or SIGTERM): every rank was stopped; a run that had started says \"interrupted\" "
-            "in its summary.json")
 
 
 def _talks() -> bool:

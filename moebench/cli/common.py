@@ -15,8 +15,8 @@ from moebench.errors import RunFailed
 def echo_failure_json(exc: RunFailed) -> None:
     """--json and the run failed: the run's summary.json (status "failed", error) and its path."""
     try:
-        summary = results.read_json(Path(exc.run_path) / "summary.json")
-    except (OSError, ValueError):  # died before summary.json was written
+        summary = results.read_back(Path(exc.run_path) / "summary.json")
+    except (OSError, ValueError):  # died before summary.json was written (or could not write it whole)
         summary = {"status": "failed", "error": str(exc), "run_path": str(exc.run_path)}
     if summary.get("status") == results.STATUS_RUNNING:  # the end could not be written (read-only)
         summary = {**summary, "status": "failed", "error": str(exc)}

@@ -10,7 +10,6 @@ import typer
 from moebench.bounds import Items, Name, Text
 from moebench.cli import flags
 from moebench.distributed.env import is_printer as _is_printer
-from moebench.errors import Interrupted
 
 app = typer.Typer()
 
@@ -168,7 +167,7 @@ def _print_table(summary: dict) -> None:
     counts = summary["counts"]
     console.print(f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped; "
                   f"{summary['vacuous_total']} vacuous comparison(s); {summary['wall_time_s']:.1f} s; "
-                  f"saved to {summary['run_path']}", highlight=False)
+                  + ("not saved" if summary.get("unsaved") else f"saved to {summary['run_path']}"), highlight=False)
     if summary["vacuous_total"]:
         console.print("[yellow]vacuous: the tolerance is not below the magnitude compared (or the comparison "
                       "is not asserted at all), so an all-zero result would pass.[/]")
@@ -252,9 +251,9 @@ def verify_parity(
             summary = run(config, results_dir=results_dir, on_record=progress)
     except KeyboardInterrupt as exc:
         if _is_printer():
-            where = f"; results: {exc.run_path} (summary.json says \"interrupted\")" if isinstance(
-                exc, Interrupted) else ""
-            typer.echo(f"verify-parity: interrupted; every rank was stopped{where}", err=True)
+            from moebench import signals
+
+            typer.echo(f"verify-parity: {signals.interrupted_message(getattr(exc, 'run_path', None))}", err=True)
         raise typer.Exit(130) from None
     if _is_printer():
         if as_json:
@@ -267,7 +266,9 @@ def verify_parity(
                 typer.echo(line)
         if summary.get("reason"):
             typer.echo(summary["reason"], err=True)
-    raise typer.Exit(0 if summary["status"] == "ok" else 1)
+        if summary.get("unsaved"):
+            typer.echo(f"error: {summary['unsaved']}; the verdicts above are not saved", err=True)
+    raise typer.Exit(0 if summary["status"] == "ok" and not summary.get("unsaved") else 1)
 
 
 def _jsonable(doc):

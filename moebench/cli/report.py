@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 from typing import List, Optional
 
 import typer
@@ -51,7 +52,9 @@ def report(
     outcome = build_report(list(runs or []), root=results_dir, since=since)
     if as_json:
         typer.echo(json.dumps({"report_path": str(outcome.path), "counts": outcome.counts,
-                               "verdicts": outcome.rows}, default=str))
+                               "verdicts": outcome.rows,
+                               "not_judged": {kind: f"{run.path}: {run.damage}"
+                                              for kind, run in outcome.damaged.items()}}, default=str))
         return
     from rich.console import Console
 
@@ -66,6 +69,11 @@ def report(
     print_fitting(console, verdict_table(outcome.rows), verdict_table(outcome.rows, stacked=True))
     for line in not_run_reasons(outcome.rows):
         console.print(line)
+    for kind, run in outcome.damaged.items():  # what could not be judged, and why
+        claims = sum(r["variant"] == kind for r in outcome.rows)
+        what = f"{claims} {kind} claim(s)" if claims else f"the {kind} section"
+        typer.echo(f"not judged ({what}): run {run.run_id} is damaged:")
+        typer.echo(textwrap.fill(run.damage, width=80, initial_indent="  ", subsequent_indent="    "))
     c = outcome.counts
     console.print(f"{c['reproduced']} reproduced, {c['differs']} differ, {c['not run']} not run; "
                   "reasons in REPORT.md")

@@ -4,6 +4,7 @@ config (moebench/cli/flags.py). Flags -> config (preset <- flags) -> `train.run_
 from __future__ import annotations
 
 import json
+import textwrap
 
 import typer
 
@@ -67,7 +68,11 @@ def run_variant_command(variant, preset, overrides, *, show_config: bool, force:
     from moebench import train
     from moebench.distributed.env import is_printer
 
-    config = variants.checked_config(variant, preset, overrides, results_dir=results_dir, force=force)
+    notes: list[str] = []
+    config = variants.checked_config(variant, preset, overrides, results_dir=results_dir, force=force, notes=notes)
+    if is_printer():
+        for note in notes:  # a file's value that replaced the preset's: said, never silent
+            typer.echo(textwrap.fill(note, width=80, subsequent_indent="  "), err=True)
     if show_config:
         if is_printer():
             typer.echo(json.dumps(config_tree.as_dict(config), indent=2))

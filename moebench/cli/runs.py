@@ -4,6 +4,7 @@ reader should see it ("abandoned" where the writer died while the files said "ru
 from __future__ import annotations
 
 import json
+import textwrap
 from typing import Optional
 
 import typer
@@ -46,6 +47,9 @@ def runs(
     if results_dir is not None and not results_dir.strip():
         raise UserError("is empty; pass a folder (or leave it out for ./results)", flag="--results-dir")
     root = results.results_root(results_dir)
+    if root.exists() and not root.is_dir():
+        raise UserError(f"{root} is a file, not a results folder; pass the folder that holds <kind>/<run-id> "
+                        "folders (default ./results)", flag="--results-dir")
     present = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
     if kind is not None and kind not in present:
         known = sorted(set(known_kinds()) | set(present))
@@ -74,26 +78,18 @@ def _row(kind: str, run) -> dict:
     """What the listing shows of one run folder (None where its files do not say)."""
     from moebench import results
 
-    summary, config = _read(run / "summary.json"), _read(run / "config.json")
+    files = results.read_run(run)  # every file through its schema: damage is named, never a crash
+    summary, config = (files.summary or {}, files.config or {}) if not files.damage else ({}, {})
     loss = summary.get("loss")
     ranks = summary.get("world_size") or (config.get("launch") or {}).get("world_size")
     if ranks is None and config.get("world_sizes"):  # bench: the world sizes it swept
         ranks = ",".join(str(w) for w in config["world_sizes"])
-    return {"kind": kind, "run_id": run.name, "status": results.status_of(run),
+    return {"kind": kind, "run_id": run.name, "status": files.status,
             "started_at": summary.get("started_at"), "wall_time_s": summary.get("wall_time_s"),
             "preset": config.get("preset") if kind != "bench" or config.get("train") else None,
             "world_size": ranks, "launcher": summary.get("launcher"),
-            "final_loss": loss.get("last") if isinstance(loss, dict) else None, "run_path": str(run)}
-
-
-def _read(path) -> dict:
-    from moebench import results
-
-    try:
-        document = results.read_json(path)
-    except (OSError, ValueError):
-        return {}
-    return document if isinstance(document, dict) else {}
+            "final_loss": loss.get("last") if isinstance(loss, dict) else None, "run_path": str(run),
+            **({"damage": files.damage} if files.damage else {})}
 
 
 def _cells(row: dict) -> dict[str, str]:
@@ -121,16 +117,25 @@ def listing(rows: list[dict], root, width: int, kind: str | None = None) -> list
     head = [f"{len(rows)} {kind + ' ' if kind else ''}run(s) under {root}, newest first"]
     line = _table(WIDE, cells)
     if max(len(s) for s in line) <= width:
-        return head + line
+        return head + line[:1] + [x for row, first in zip(rows, line[1:]) for x in [first] + _damage(row, width)]
     out = _table(NARROW, cells)
     indent = " " * (len(out[0]) - len(out[0].lstrip(" ")) + _width("kind", cells) + len(GAP))
     lines = [out[0], indent + "started, preset, ranks, launcher"]
-    for row, first in zip(cells, out[1:]):
+    for source, row, first in zip(rows, cells, out[1:]):
         ranks = "" if row["ranks"] == "-" else "1 rank" if row["ranks"] == "1" else f"{row['ranks']} ranks"
         rest = [row["started"], f"preset {row['preset']}" if row["preset"] != "-" else "", ranks,
                 f"via {row['launcher']}" if row["launcher"] != "-" else ""]
-        lines += [first, indent + ", ".join(p for p in rest if p)]
+        lines += [first, indent + ", ".join(p for p in rest if p)] + _damage(source, width)
     return head + lines
+
+
+def _damage(row: dict, width: int) -> list[str]:
+    """A damaged run's "damaged: <file>: <reason>", wrapped under its line(s)."""
+
+    if not row.get("damage"):
+        return []
+    return textwrap.wrap(row["damage"], width, initial_indent="  damaged: ", subsequent_indent="    ")
+
 
 
 def _width(column: str, cells: list[dict]) -> int:

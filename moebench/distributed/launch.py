@@ -46,7 +46,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from moebench import tempdirs
+from moebench import signals, tempdirs
 from moebench.distributed.env import debug, local_world_size, rank_threads
 from moebench.distributed.env import is_launched_rank as under_torchrun
 from moebench.errors import UserError
@@ -236,6 +236,7 @@ def _launch_local(fn, args, world_size, backend, timeout_s, label, env, method) 
         deadline = start + timeout_s
         failed_at: float | None = None
         while True:
+            signals.check()  # a safe point, every 0.5 s at most: Ctrl-C / SIGTERM kill every rank
             alive = [p for p in procs if p.exitcode is None]
             if not alive:
                 break
@@ -294,6 +295,7 @@ def _child_main(fn, args, rank, world_size, backend, pg_timeout_s, workdir, env)
     # tracebacks of their own would bury the one line that matters.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signals.reset()  # a signal the parent recorded before the fork is the parent's to act on
     # A rank's output is never moebench's result: keep stdout clean for `--json`. Only rank 0
     # talks; the others' prints are dropped unless --debug (their errors come back as payloads).
     if rank == 0 or debug():

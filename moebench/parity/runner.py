@@ -10,6 +10,7 @@ flagged, never hidden. A run in which no check passed is a failed run ("no check
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import math
@@ -20,6 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from moebench import signals
 from moebench.config import COMM_BACKENDS, require_choice, require_seed, require_world_size
 from moebench.distributed.launch import launch, local_world_size, resolve_backend, sigterm_as_interrupt, under_torchrun
 from moebench.errors import Interrupted, UserError
@@ -277,6 +279,7 @@ def run_checks(config: ParityConfig, *, on_record: Callable[[CheckRecord], None]
     start = time.monotonic()
     resolved = resolve_backend(config.comm_backend, local_world_size(world_size))
     for check in checks:
+        signals.check()  # a safe point between checks
         reason = check.skip_reason(world_size)
         backend = None
         if reason is None:
@@ -356,7 +359,8 @@ def _run_and_save(config, results_dir, on_record, is_writer) -> dict[str, Any]:
 
     def finish_early(status: str, **extra) -> None:
         if run_dir is not None:  # keep what finished before the interruption / error
-            run_dir.finish(status, {**extra, "checks": [dataclasses.asdict(r) for r in done]})
+            with contextlib.suppress(OSError):  # unwritable: the error on its way out says more
+                run_dir.finish(status, {**extra, "checks": [dataclasses.asdict(r) for r in done]})
 
     try:
         summary = run_checks(config, on_record=record_done)
@@ -372,5 +376,9 @@ def _run_and_save(config, results_dir, on_record, is_writer) -> dict[str, Any]:
     status = STATUS_FAILED if summary["counts"]["fail"] or reason else STATUS_OK
     summary = {**({"reason": reason} if reason else {}), **summary}
     if run_dir is not None:
-        return run_dir.finish(status, summary)
+        try:
+            return run_dir.finish(status, summary)
+        except OSError as exc:  # the folder became unwritable: the verdicts are still returned whole
+            return {**run_dir.envelope(status), **summary,
+                    "unsaved": f"could not write {run_dir.path / 'summary.json'}: {exc.strerror or exc}"}
     return {"status": status, **summary}

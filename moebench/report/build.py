@@ -11,7 +11,7 @@ import datetime
 from pathlib import Path
 from typing import Callable
 
-from moebench import published, results
+from moebench import published, results, signals
 from moebench.report import chapter, collect, figures
 from moebench.report.claims import (
     DIFFERS,
@@ -40,6 +40,9 @@ class ReportResult:
     runs: dict[str, list[collect.Run]]
     primary: dict[str, collect.Run | None]
     """Per kind, the run its claims were judged on."""
+    damaged: dict[str, collect.Run] = dataclasses.field(default_factory=dict)
+    """Per kind (env, fastmoe, deepspeed, parity, bench), the damaged run the report would have
+    read: its claims or section are not judged, and the report says so."""
 
 
 def chapter_config(kind: str) -> dict:
@@ -165,10 +168,7 @@ def _env_blocks(run: collect.Run | None) -> list[Block]:
     blocks.append(Para(f"env-check {run.run_id}: " + ", ".join(f"{counts.get(s, 0)} {s}" for s in
                                                                  ("ok", "warn", "fail", "skip"))
                        + ("" if run.ok else f" ({run.not_ok_reason()})")))
-    try:
-        checks = results.read_json(run.path / run.summary.get("report", "envcheck.json")).get("checks", [])
-    except (OSError, ValueError):
-        checks = []
+    checks = (run.documents.get("envcheck.json") or {}).get("checks", [])
     order = {"fail": 0, "warn": 1, "ok": 2, "skip": 3}
     checks = sorted(checks, key=lambda c: order.get(c.get("status"), 4))
     if checks:
@@ -215,10 +215,7 @@ def _variant_blocks(kind: str, run: collect.Run | None, out: Path) -> list[Block
     blocks.append(Bullets(tuple(facts)))
     by_category = (summary.get("params") or {}).get("by_category")
     if not by_category:
-        try:
-            by_category = results.read_json(run.path / "params.json").get("by_category")
-        except (OSError, ValueError):
-            by_category = None
+        by_category = (run.documents.get("params.json") or {}).get("by_category")
     if by_category:
         published_counts = PARAMS_PUBLISHED.get(kind, {}) if comparable else {}
         png = figures.plot_params(by_category, published_counts, out / f"params-{kind}.png",
@@ -354,6 +351,8 @@ def _timing_words(rows: list[dict]) -> str:
 
 
 def _bench_sweep_blocks(run: collect.Run, out: Path) -> list[Block]:
+    if run.damage:
+        return [Para(f"Not shown: {run.not_ok_reason()}.")]
     summary = run.summary
     blocks: list[Block] = [Para(f"bench {run.run_id} (started {summary.get('started_at', '?')}, status {run.status}, "
                                 f"{summary.get('threads', '?')} threads): forward + backward of one MoE layer, "
@@ -388,6 +387,8 @@ def _bench_sweep_blocks(run: collect.Run, out: Path) -> list[Block]:
 
 
 def _bench_train_blocks(run: collect.Run) -> list[Block]:
+    if run.damage:
+        return []  # said once, by the sweep's blocks (the same newest run)
     train = run.summary.get("train") or {}
     rates = train.get("rates") or {}
     blocks: list[Block] = [Para(
@@ -407,7 +408,7 @@ def _bench_train_blocks(run: collect.Run) -> list[Block]:
 def _latest_bench(root: Path, section: str) -> collect.Run | None:
     """The newest bench run whose summary has `section` (a sweep's rows, or --train's breakdown)."""
     run = collect.latest(root, "bench", prefer=lambda r: bool(r.summary.get(section)))
-    return run if run is not None and run.summary.get(section) else None
+    return run if run is not None and (run.damage or run.summary.get(section)) else None
 
 
 def _fmt(value, spec: str = ".4f") -> str:
@@ -433,6 +434,9 @@ def build_report(paths: list[str], *, root: str | None = None, since: str | None
     if since is not None and paths:
         raise UserError("applies to the latest runs only; drop it, or the RUN folders", flag="--since")
     since_time = collect.parse_since(since) if since is not None else None  # a bad flag before a missing folder
+    if not paths and root_path.exists() and not root_path.is_dir():
+        raise UserError(f"{root_path} is a file, not a results folder; pass the folder that holds "
+                        "<kind>/<run-id> folders (default ./results)", flag="--results-dir")
     if not paths and not root_path.is_dir():
         raise UserError(f"{root_path} does not exist; point it at a results folder (default ./results)",
                         flag="--results-dir")
@@ -453,7 +457,8 @@ def build_report(paths: list[str], *, root: str | None = None, since: str | None
             Para(f"Compared with {published.CHAPTER}, sections 6.4.1-6.4.4. Built "
                  f"{datetime.datetime.now().isoformat(timespec='seconds')} from results files only."),
             Table(headers=("kind", "run", "status", "folder"),
-                  rows=tuple((kind, r.run_id, r.status, str(r.path)) for kind in collect.KINDS for r in chosen[kind]),
+                  rows=tuple((kind, r.run_id, r.error if r.damage else r.status, str(r.path))
+                             for kind in collect.KINDS for r in chosen[kind]),
                   classes=tuple(r.status for kind in collect.KINDS for r in chosen[kind])),
             Heading("Verdicts"),
             Para(f"{counts[REPRODUCED]} reproduced, {counts[DIFFERS]} differ, {counts[NOT_RUN]} not run. "
@@ -463,24 +468,36 @@ def build_report(paths: list[str], *, root: str | None = None, since: str | None
             *_env_blocks(primary["env"]),
         ]
         for kind in collect.VARIANT_KINDS:
+            signals.check()  # safe points between the report's steps (each draws a figure or two)
             blocks += _variant_blocks(kind, primary[kind], out)
+        signals.check()
         blocks += _expert_blocks(chosen, out)
+        signals.check()
         blocks += _parity_blocks(primary["parity"], out)
+        signals.check()
         blocks += _comparison_blocks(chosen, out)
-        blocks += _bench_blocks(_latest_bench(root_path, "rows"), _latest_bench(root_path, "train"), out)
+        signals.check()
+        sweep, train = _latest_bench(root_path, "rows"), _latest_bench(root_path, "train")
+        blocks += _bench_blocks(sweep, train, out)
+        signals.check()
+        damaged = {kind: run for kind, run in [*primary.items(), ("bench", sweep or train)]
+                   if run is not None and run.damage}
 
         results.write_text_atomic(out / "REPORT.md", markdown(blocks))
         results.write_text_atomic(out / "report.html", html_document(blocks, title="moebench report"))
         run_dir.finish(results.STATUS_OK, {"verdicts": rows, "counts": counts, "report": "REPORT.md",
                                            "html": "report.html",
+                                           **({"not_judged": {kind: f"{run.path}: {run.damage}" for kind, run
+                                                              in damaged.items()}} if damaged else {}),
                                            "figures": sorted(p.name for p in out.glob("*.png"))})
     except BaseException as exc:  # the folder says how it ended, then the error goes on
-        status = results.STATUS_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else results.STATUS_FAILED
-        run_dir.finish(status, {"error": f"{type(exc).__name__}: {exc}"})
+        if run_dir.ended is None:  # (`finish` itself records an interruption it acts on)
+            status = results.STATUS_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else results.STATUS_FAILED
+            run_dir.finish(status, {"error": f"{type(exc).__name__}: {exc}"})
         if isinstance(exc, KeyboardInterrupt) and not isinstance(exc, Interrupted):
             raise Interrupted(out) from exc  # the CLI names the folder it marked
         raise
-    return ReportResult(path=out, rows=rows, counts=counts, runs=chosen, primary=primary)
+    return ReportResult(path=out, rows=rows, counts=counts, runs=chosen, primary=primary, damaged=damaged)
 
 
 def _primary(kind: str, runs: list[collect.Run], prefer: Callable[[collect.Run], bool] | None):

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import functools
-import json
 from pathlib import Path
 from typing import Callable
 
@@ -30,15 +28,20 @@ class Run:
     path: Path
     kind: str
     status: str
-    """ok / failed / interrupted / abandoned / running / unreadable."""
+    """ok / failed / interrupted / abandoned / running / damaged."""
     summary: dict
+    """summary.json ({} for a damaged run: nothing in its folder is trusted)."""
     config: dict | None
     error: str = ""
+    damage: str = ""
+    """"<file>: <reason>" when a file of the run is damaged (results.read_run)."""
+    documents: dict = dataclasses.field(default_factory=dict, repr=False)
+    """Every validated file of the run folder (results.RunFiles.documents; {} when damaged)."""
 
-    @functools.cached_property
+    @property
     def metrics(self) -> list[dict]:
-        """metrics.jsonl, read when first asked for (scanning runs for the chapter's reads none)."""
-        return _read_jsonl_lenient(self.path / "metrics.jsonl")
+        """metrics.jsonl's lines, validated ([] when absent or the run is damaged)."""
+        return self.documents.get("metrics.jsonl") or []
 
     @property
     def run_id(self) -> str:
@@ -49,40 +52,23 @@ class Run:
         return self.status == results.STATUS_OK
 
     def not_ok_reason(self) -> str:
+        if self.damage:
+            return f"not judged: run {self.run_id} is damaged ({self.damage})"
         what = {"failed": "failed", "interrupted": "was interrupted", "abandoned": "was abandoned (its writer died)",
-                "running": "is still running", "unreadable": "has no readable summary.json"}.get(self.status,
-                                                                                                 self.status)
+                "running": "is still running"}.get(self.status, self.status)
         return f"run {self.run_id} {what}" + (f": {self.error.strip().splitlines()[-1]}" if self.error else "")
 
 
-def _read_jsonl_lenient(path: Path) -> list[dict]:
-    """metrics.jsonl; a line cut short by a killed writer is skipped, not fatal."""
-    records = []
-    try:
-        with open(path) as f:
-            for line in f:
-                try:
-                    records.append(json.loads(line))
-                except ValueError:
-                    continue
-    except OSError:
-        pass
-    return records
-
-
 def load_run(path: Path) -> Run:
-    unreadable = ""
-    try:
-        summary = results.read_json(path / "summary.json")
-    except (OSError, ValueError) as exc:
-        summary, unreadable = {}, f"summary.json is not readable JSON ({exc})"
-    try:
-        config = results.read_json(path / "config.json")
-    except (OSError, ValueError):
-        config = None
-    status = results.status_of(path) if summary else "unreadable"
-    return Run(path=path, kind=summary.get("kind") or path.parent.name, status=status, summary=summary,
-               config=config, error=unreadable or str(summary.get("error") or ""))
+    """One run folder, every file read back through its schema (results.read_run): a damaged
+    file makes the run "damaged", with none of its files used."""
+    files = results.read_run(path)
+    if files.damage:
+        return Run(path=path, kind=path.parent.name, status=files.status, summary={}, config=None,
+                   error=f"damaged: {files.damage}", damage=files.damage)
+    summary = files.summary
+    return Run(path=path, kind=summary["kind"], status=files.status, summary=summary, config=files.config,
+               error=str(summary.get("error") or ""), documents=files.documents)
 
 
 def latest(root: Path, kind: str, since: datetime.datetime | None = None,
@@ -104,9 +90,14 @@ def latest(root: Path, kind: str, since: datetime.datetime | None = None,
 
 
 def _started(run: Run) -> datetime.datetime:
+    """summary.json's start, else the run id's (a damaged run's summary is not trusted)."""
     try:
         return datetime.datetime.fromisoformat(run.summary["started_at"])
     except (KeyError, TypeError, ValueError):
+        pass
+    try:
+        return datetime.datetime.strptime(run.run_id[:15], "%Y%m%d-%H%M%S")
+    except ValueError:
         return datetime.datetime.min
 
 
@@ -139,9 +130,7 @@ def select(paths: list[str], root: Path, since: datetime.datetime | None = None,
         if not (path / "summary.json").is_file():
             raise UserError(f"{raw} is not a run folder (no summary.json in it); pass results/<kind>/<run-id> "
                             "folders, or nothing for the latest run of each kind", flag="RUN")
-        run = load_run(path)
-        if run.status == "unreadable":
-            raise UserError(f"{raw}: {run.error}; the run's files are damaged", flag="RUN")
+        run = load_run(path)  # a damaged run is reported as such (its claims not judged)
         if run.kind not in chosen:
             raise UserError(f"{raw} is a {run.kind!r} run; a report reads {', '.join(KINDS)} runs", flag="RUN")
         if any(r.path.resolve() == path.resolve() for r in chosen[run.kind]):

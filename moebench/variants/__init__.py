@@ -35,6 +35,9 @@ class Variant(Protocol):
         """Field values that files named in the config set (DeepSpeed's --ds-config), by field path;
         the flags in `explicit` win, and a conflicting one is a UserError."""
 
+    def file_notes(self, values: dict[tuple[str, ...], Any], preset_config: Any) -> list[str]:
+        """One line per value of `file_values` that replaces the preset's (the user is told)."""
+
     def prepare(self, config: Any) -> Any:
         """The config with every "auto" resolved for this machine (device, backends); UserError if
         the request cannot run here. Imports torch."""
@@ -56,9 +59,11 @@ class Variant(Protocol):
         """env-check's "what can run here": (status, found, hint) from the other checks' results."""
 
 
-def resolve_config(variant: Variant, preset: str | None, overrides: dict[tuple[str, ...], Any]) -> Any:
+def resolve_config(variant: Variant, preset: str | None, overrides: dict[tuple[str, ...], Any],
+                   notes: list[str] | None = None) -> Any:
     """Preset (default: the variant's) <- files it names <- flags, validated, "auto" resolved for
-    this machine. Under torchrun the launcher's WORLD_SIZE decides the world size."""
+    this machine. Under torchrun the launcher's WORLD_SIZE decides the world size. `notes`, when
+    given, receives one line per preset value a file replaced (the CLI prints them)."""
     explicit = {path: value for path, value in overrides.items() if value is not None}
     if is_launched_rank():
         config_tree.require_launched_world(explicit.get(("launch", "world_size")))
@@ -67,12 +72,14 @@ def resolve_config(variant: Variant, preset: str | None, overrides: dict[tuple[s
     config = config_tree.resolve(variant.config_cls, variant.name, preset, explicit)
     from_files = variant.file_values(explicit, config)
     if from_files:
+        if notes is not None:
+            notes.extend(variant.file_notes(from_files, config))
         config = config_tree.resolve(variant.config_cls, variant.name, preset, {**from_files, **explicit})
     return variant.prepare(config)
 
 
 def checked_config(variant: Variant, preset: str | None, overrides: dict[tuple[str, ...], Any], *,
-                   results_dir: str | None = None, force: bool = False) -> Any:
+                   results_dir: str | None = None, force: bool = False, notes: list[str] | None = None) -> Any:
     """Everything `run` checks before it writes anything, for the CLI (`--show-config` included: it
     refuses exactly as the run would) and the Python API alike: the results root is writable, the
     config resolves and validates, and its memory and work estimates fit unless `force`. Bad input is
@@ -81,7 +88,7 @@ def checked_config(variant: Variant, preset: str | None, overrides: dict[tuple[s
     from moebench import resources, results
 
     results.check_root(results_dir, variant.name)
-    config = resolve_config(variant, preset, overrides)
+    config = resolve_config(variant, preset, overrides, notes=notes)  # notes: what a --ds-config replaced
     names = {spec.path: spec.name for spec in config_tree.leaves(variant.config_cls)}
     given = {names[path] for path, value in overrides.items() if value is not None and path in names}
     resources.require_runnable(config, force=force, given=given)

@@ -63,9 +63,10 @@ def _signal_at(tmp_path: Path, ranks: int, offset: float, sig: int) -> None:
         assert summary["status"] != "running", (offset, sig, summary)
         metrics = run / "metrics.jsonl"
         lines = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-        if proc.returncode == 130:  # "ok" only where the run had finished before the signal came
-            assert summary["status"] == "interrupted" or (summary["status"] == "ok" and len(lines) == 60), \
-                (offset, summary["status"], len(lines))
+        if proc.returncode == 130:  # the exit code and summary.json agree (signals.py)
+            assert summary["status"] == "interrupted", (offset, summary["status"], len(lines))
+        else:
+            assert (proc.returncode, summary["status"], len(lines)) == (0, "ok", 60), (offset, proc.returncode)
         if summary["status"] == "interrupted":  # the console names the folder it marked
             assert f"\nresults: {run}\n" in err, (offset, sig, err)
     if proc.returncode == 130 and not runs:

@@ -35,6 +35,11 @@ class DeepSpeedVariant:
             raise UserError(f"{key} in {path}: {str(exc).split(': ', 1)[1]}", flag="--ds-config") from None
         return values
 
+    def file_notes(self, values: dict, preset_config: DeepSpeedRunConfig) -> list[str]:
+        from moebench.variants.deepspeed.ds_config import file_notes
+
+        return file_notes(preset_config.engine.ds_config, values, preset_config)
+
     def prepare(self, config: DeepSpeedRunConfig) -> DeepSpeedRunConfig:
         from moebench.distributed.launch import resolve_placement
         from moebench.models.deepspeed_moe import set_accelerator_env
@@ -61,7 +66,8 @@ class DeepSpeedVariant:
         moe, launch, train = config.moe, config.launch, config.train
         return (f"deepspeed: experts {list(config.experts_per_layer)}, top-{moe.top_k}, ep_size {moe.ep_size}, "
                 f"ZeRO {config.engine.zero_stage}; {launch.device}, {launch.world_size} rank(s) over "
-                f"{launch.comm_backend}; {train.plan()} (preset {config.preset})")
+                f"{launch.comm_backend}; batch {train.batch_size} ({config.batch_per_rank} per rank); {train.plan()} "
+                f"(preset {config.preset})")
 
     def report_lines(self, summary: dict) -> list[str]:
         test, routing, t = summary["test"], summary["routing"], summary["timings"]

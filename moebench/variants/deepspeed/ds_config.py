@@ -112,6 +112,29 @@ def file_values(path: str | None, explicit: dict[tuple[str, ...], object], world
     return values
 
 
+def file_notes(path: str | None, values: dict, preset_config: DeepSpeedRunConfig) -> list[str]:
+    """One line per flag-owned key of the file that replaces the preset's value (no flag was
+    given for it: a flag given with another value is refused in `file_values`)."""
+    if path is None:
+        return []
+    user = load_ds_config(path)
+    notes = []
+    for key, (field, name) in FLAG_OWNED_KEYS.items():
+        if field not in values:
+            continue
+        section = getattr(preset_config, field[0])
+        before = getattr(section, field[1])
+        if values[field] == before:
+            continue
+        now = f"{name} {values[field]!r}"
+        if field == ("train", "batch_size"):
+            ranks = preset_config.launch.world_size
+            now += f" ({_get(user, key)} per rank x {ranks} rank{'s' if ranks > 1 else ''})"
+        notes.append(f"--ds-config: {'.'.join(key)}={_get(user, key)!r} in {os.path.basename(path)} replaces "
+                     f"preset {preset_config.preset}'s {name} {before!r}: the run uses {now}")
+    return notes
+
+
 def _get(tree: dict, path: tuple[str, ...]):
     for key in path:
         if not isinstance(tree, dict) or key not in tree:
@@ -227,8 +250,9 @@ def _check_ds_config(ds: dict, config: DeepSpeedRunConfig) -> None:
                         "batch); remove it and size the step with --batch-size", flag="--ds-config")
     tbs = ds.get("train_batch_size")
     if tbs is not None and tbs != config.train.batch_size:
-        raise UserError(f"train_batch_size={tbs!r} conflicts with --batch-size {config.train.batch_size}; "
-                        "remove it (moebench sets it)", flag="--ds-config")
+        raise UserError(f"train_batch_size={tbs!r} conflicts with --batch-size {config.train.batch_size} (the global "
+                        f"batch of this run, preset {config.preset} and flags); remove it from the file, or pass "
+                        f"--batch-size {tbs!r}", flag="--ds-config")
     if not config.engine.compiled_ops:
         needs = compiled_op_settings(ds)
         if needs:

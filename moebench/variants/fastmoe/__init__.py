@@ -23,6 +23,9 @@ class FastMoEVariant:
     def file_values(self, explicit: dict, config: FastMoERunConfig) -> dict:
         return {}  # fastmoe's config names no files
 
+    def file_notes(self, values: dict, preset_config: FastMoERunConfig) -> list[str]:
+        return []
+
     def prepare(self, config: FastMoERunConfig) -> FastMoERunConfig:
         from moebench.distributed.launch import resolve_placement
         from moebench.models.moe import resolve_moe_impl
