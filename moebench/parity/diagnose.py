@@ -7,7 +7,13 @@ that failed. Detectors, in order (the first that explains the numbers wins):
 - non-finite: NaN / Inf in the actual (or expected) tensor; the first index.
 - zero: the actual tensor is all zeros while the expected is not (detached; backward returned nothing).
 - alternatives: the caller may pass tensors a known-wrong implementation would produce, e.g. the
-  all-gather check passes {"local slice": what a local-slice backward gives}; a match names it.
+  all-gather check passes {"local slice": what a local-slice backward gives}; a match names it, and
+  so does a match up to an integer scale N or 1/N (a rank-local gradient later divided by W).
+  Two expert-parallel classes have builders here so every check names them alike:
+  `rank_local(grad)` (RANK_LOCAL: the gradient this rank computes alone, never all-reduced) and
+  `no_backward_exchange(...)` (MISSING_BACKWARD_EXCHANGE: the all-to-all's backward sends nothing
+  back, or only the rank's own slots, so the expert path adds nothing to tokens whose experts live
+  elsewhere).
 - uniform-scale: actual = c * expected everywhere (c fitted by least squares). When c or 1/c is an
   integer N >= 2 (within SCALE_INTEGER_RTOL): "summed instead of averaged over N ranks" / "averaged twice".
 - rows-permuted: along some dim, every slice of actual equals some slice of expected, in another order.
@@ -44,6 +50,9 @@ SCALE_MIN_DEVIATION = 1e-3
 ROW_MATCH_SLACK = 10.0
 # At most this many indices are named in a sentence (the details keep all of them).
 MAX_NAMED = 8
+
+RANK_LOCAL = "rank-local"
+MISSING_BACKWARD_EXCHANGE = "missing-backward-exchange"
 
 GROUPS = ("output", "input gradient", "gate/router", "experts", "replicated")
 
@@ -103,10 +112,12 @@ def diagnose(actual: Any, expected: Any, *, atol: float, rtol: float, world_size
         return _d("zero", "all zeros: no gradient reached it (detached, or a backward that returns nothing)",
                   expected_magnitude=magnitude)
     for label, alt in (alternatives or {}).items():
-        alt, what = alt if isinstance(alt, tuple) else (alt, label)
-        alt_t = _t(alt)
-        if alt_t.shape == a.shape and bool(_close(a, alt_t, atol, rtol).all()):
-            return _d(label.replace(" ", "-"), f"matches what {what} would give", alternative=label)
+        alt, what, name = (*alt, label)[:3] if isinstance(alt, tuple) else (alt, label, label)
+        found = _matches_alternative(a, _t(alt), atol, rtol, world_size)
+        if found is not None:
+            scale, why = found
+            sentence = f"matches what {what} would give" + (f", x {scale:.4g} ({why})" if why else "")
+            return _d(name.replace(" ", "-"), sentence, alternative=label, scale=scale)
     ee = float((e * e).sum())
     c = float((a * e).sum()) / ee if ee > 0 else 0.0
     if ee > 0 and c != 0 and abs(c - 1.0) > SCALE_MIN_DEVIATION:
@@ -134,6 +145,43 @@ def diagnose(actual: Any, expected: Any, *, atol: float, rtol: float, world_size
               outside=int(outside.sum()), numel=a.numel(), max_abs_diff=float(diff.max()),
               mean_abs_diff=float(diff.mean()), norm_ratio=ratio if ne else None, correlation=corr,
               best_scale=c)
+
+
+def _matches_alternative(a: torch.Tensor, alt: torch.Tensor, atol: float, rtol: float,
+                         world_size: int | None) -> tuple[float, str] | None:
+    """(1.0, "") when `a` matches `alt`; (c, why) when a = c x alt with c or 1/c an integer >= 2; else None."""
+    if alt.shape != a.shape or not bool((alt != 0).any()):
+        return None
+    if bool(_close(a, alt, atol, rtol).all()):
+        return 1.0, ""
+    c = float((a * alt).sum()) / float((alt * alt).sum())
+    n, why = integer_scale(c, world_size) if c > 0 else (None, "")
+    if n is not None and bool(_close(a, c * alt, atol, rtol).all()):
+        return c, why
+    return None
+
+
+def rank_local(grad: Any) -> tuple[Any, str, str]:
+    """The `alternatives` entry for a gradient left rank-local: `grad` is what this rank computes
+    from its own tokens alone (its loss, its slice of the batch), never all-reduced."""
+    return (grad, "this rank's own tokens alone: the gradient was never all-reduced over the ranks "
+            "(a parameter skipped by the gradient sync, or marked as an expert's)", RANK_LOCAL)
+
+
+def no_backward_exchange(no_exchange: Any, local_only: Any = None) -> dict[str, tuple[Any, str, str]]:
+    """The `alternatives` entries for an all-to-all without a backward exchange: `no_exchange` is the
+    input gradient with the expert path contributing nothing (the exchange's backward returns zeros
+    or is cut off), `local_only` the one where only this rank's own experts contribute (the backward
+    keeps the slots the rank exchanged with itself, so tokens routed to other ranks' experts get none)."""
+    out = {"no backward exchange": (no_exchange, "an all-to-all whose backward sends no gradient back: the "
+                                    "experts' path adds nothing (check the exchange's autograd backward)",
+                                    MISSING_BACKWARD_EXCHANGE)}
+    if local_only is not None:
+        out["local-only backward exchange"] = (
+            local_only, "an all-to-all whose backward keeps only this rank's own slots: tokens whose experts "
+            "live on other ranks get no expert gradient (check the exchange's autograd backward)",
+            MISSING_BACKWARD_EXCHANGE)
+    return out
 
 
 def _slices(a: torch.Tensor, e: torch.Tensor, atol: float, rtol: float) -> dict[str, Any] | None:
