@@ -120,6 +120,8 @@ class CheckRecord:
     diagnosis: dict | None = None
     """For a failed check: {name, sentence, details} summarised by parameter group and rank
     (e.g. "output right; gate/router wrong (1/1)"); each failed comparison has its own."""
+    labels: dict = dataclasses.field(default_factory=dict)
+    """The check's labels (Check.labels), e.g. a library row's library / version / model."""
 
 
 def _rank_entry(ctx, check_name: str, opts: CheckOptions) -> dict:
@@ -140,7 +142,7 @@ def _rank_entry(ctx, check_name: str, opts: CheckOptions) -> dict:
 def _audit(check: Check, result, world_size: int) -> CheckRecord:
     base = dict(name=check.name, seed_source=check.seed_source, description=check.description,
                 catches=check.catches, world_size=world_size, elapsed_s=result.elapsed_s,
-                launch_status=result.status, backend=result.backend)
+                launch_status=result.status, backend=result.backend, labels=dict(check.labels))
     if not result.ok:
         return CheckRecord(**base, status="fail", reason=result.describe())
     skips = [r["skip"] for r in result.returns if r and "skip" in r]
@@ -237,14 +239,16 @@ def run_checks(config: ParityConfig, *, on_record: Callable[[CheckRecord], None]
     start = time.monotonic()
     resolved = resolve_backend(config.comm_backend, local_world_size(world_size))
     for check in checks:
-        reason = check.skip_reason(world_size)
+        # A check with its own world (a library row) runs at it, except under torchrun (the job's is fixed).
+        size = check.world_size if check.world_size is not None and not under_torchrun() else world_size
+        reason = check.skip_reason(size)
         backend = None
         if reason is None:
             backend, reason = check_backend(check, config.comm_backend, resolved)
         if reason is not None:
             record = CheckRecord(name=check.name, status="skip", seed_source=check.seed_source,
                                  description=check.description, catches=check.catches,
-                                 world_size=world_size, elapsed_s=0.0, reason=reason)
+                                 world_size=size, elapsed_s=0.0, reason=reason, labels=dict(check.labels))
         else:
             for module in check.preload:
                 importlib.import_module(module)
@@ -255,9 +259,9 @@ def run_checks(config: ParityConfig, *, on_record: Callable[[CheckRecord], None]
                 seed=config.seed % CHECK_SEED_MODULUS,
                 timeout_s=timeout_s,
             )
-            result = launch(_rank_entry, world_size, args=(check.name, opts), backend=backend,
+            result = launch(_rank_entry, size, args=(check.name, opts), backend=backend,
                             timeout_s=timeout_s, label=f"check {check.name}", env=env)
-            record = _audit(check, result, world_size)
+            record = _audit(check, result, size)
         records.append(record)
         if on_record is not None:
             on_record(record)
@@ -286,11 +290,13 @@ def no_check_ran(summary: dict[str, Any]) -> str:
 
 
 def verify_parity(config: ParityConfig, *, results_dir: str | None = None,
-                  on_record: Callable[[CheckRecord], None] | None = None) -> dict[str, Any]:
+                  on_record: Callable[[CheckRecord], None] | None = None,
+                  decorate: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> dict[str, Any]:
     """Validate, run, and save under results/parity/<run-id>/ (rank 0 only). Returns the summary.
 
     The summary's "status" is "ok" when at least one check passed and none failed, else "failed"
-    (with a "reason" when every check was skipped). Ctrl-C / SIGTERM write "interrupted" and
+    (with a "reason" when every check was skipped). `decorate(summary)` may add keys before it is
+    saved (the library matrix's rows). Ctrl-C / SIGTERM write "interrupted" and
     propagate as KeyboardInterrupt; any other exception writes "failed" and propagates."""
     from moebench.models.deepspeed_moe import set_accelerator_env
 
@@ -298,10 +304,10 @@ def verify_parity(config: ParityConfig, *, results_dir: str | None = None,
     set_accelerator_env("cuda" if config.comm_backend == "nccl" or torch.cuda.is_available() else "cpu")
     is_writer = not under_torchrun() or int(os.environ.get("RANK", "0")) == 0
     with sigterm_as_interrupt():
-        return _run_and_save(config, results_dir, on_record, is_writer)
+        return _run_and_save(config, results_dir, on_record, is_writer, decorate)
 
 
-def _run_and_save(config, results_dir, on_record, is_writer) -> dict[str, Any]:
+def _run_and_save(config, results_dir, on_record, is_writer, decorate=None) -> dict[str, Any]:
     run_dir = RunDir.create("parity", root=results_dir) if is_writer else None
     if run_dir is not None:
         run_dir.write_json("config.json", {"kind": "parity", **dataclasses.asdict(config)})
@@ -328,6 +334,8 @@ def _run_and_save(config, results_dir, on_record, is_writer) -> dict[str, Any]:
     reason = no_check_ran(summary)
     status = STATUS_FAILED if summary["counts"]["fail"] or reason else STATUS_OK
     summary = {**({"reason": reason} if reason else {}), **summary}
+    if decorate is not None:
+        summary = decorate(summary)
     if run_dir is not None:
         return run_dir.finish(status, summary)
     return {"status": status, **summary}
