@@ -25,8 +25,6 @@ part of the loss.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -121,7 +119,7 @@ class Fairscale(InstalledLibrary):
                "gate/expert gradients different from one process")
 
     def rows(self, world_size: int) -> list[Row]:
-        return [Row(library=self.name, model="top2gate", backend="-", ep_mode=f"a2a {n}/rank",
+        return [Row(library=self.name, model="top2gate", backend="-", ep_mode=_ep_mode(n),
                     world_size=world_size, features=("loss-curve",)) for n in EXPERTS_PER_RANK]
 
     def run_row(self, ctx, row: Row, opts) -> list:
@@ -129,8 +127,13 @@ class Fairscale(InstalledLibrary):
             from fairscale.nn.moe import MOELayer, Top2Gate
         except ImportError as exc:
             raise SkipCheck(f"fairscale does not import: {exc}") from None
-        per_rank = int(row.ep_mode.split()[1].split("/")[0])
+        per_rank = next(n for n in EXPERTS_PER_RANK if _ep_mode(n) == row.ep_mode)
         return run(ctx, opts, per_rank, MOELayer, Top2Gate)
+
+
+def _ep_mode(per_rank: int) -> str:
+    """"a2a-E=W" (one expert per rank), "a2a-E=2W" (two): MOELayer's all-to-all over E experts."""
+    return f"a2a-E={'' if per_rank == 1 else per_rank}W"
 
 
 def _global_name(local: str, rank: int, per_rank: int) -> tuple[str, int | None]:
@@ -156,8 +159,13 @@ def run(ctx, opts, per_rank: int, moe_layer_cls, gate_cls) -> list:
     params = {f"gate.{n}": p.detach().clone().requires_grad_(True) for n, p in gate.named_parameters()}
     for e, ffn in enumerate(everyone):
         params.update({f"experts.{e}.{n}": p.detach().clone().requires_grad_(True) for n, p in ffn.named_parameters()})
-    layer = moe_layer_cls(copy.deepcopy(gate),
-                          nn.ModuleList(copy.deepcopy(everyone[r * per_rank:(r + 1) * per_rank])))
+    # The layer is built as a user builds it (fresh modules, then the weights), not by copying modules.
+    layer_gate = gate_cls(D_MODEL, experts)
+    layer_gate.load_state_dict(gate.state_dict())
+    mine = nn.ModuleList(FFN() for _ in range(per_rank))
+    for ffn, e in zip(mine, range(r * per_rank, (r + 1) * per_rank)):
+        ffn.load_state_dict(everyone[e].state_dict())
+    layer = moe_layer_cls(layer_gate, mine)
     results = []
     for step in range(STEPS):
         prefix = f"step {step + 1}: "
