@@ -28,6 +28,11 @@ class DeepSpeed(InstalledLibrary):
     preload = ("deepspeed", "deepspeed.moe.layer")
     """Imported once in the parent before the ranks fork (as the wrapped checks do)."""
 
+    def unavailable(self) -> str | None:
+        if super().unavailable():  # a dependency of moebench itself, not an extra
+            return "not installed: pip install -c moebench/constraints.txt deepspeed (a moebench dependency)"
+        return None
+
     def rows(self, world_size: int) -> list[Row]:
         return [Row(library=self.name, model=model, backend=backend, ep_mode=f"ep={world_size}",
                     world_size=world_size, features=features) for model, backend, features, _ in ROWS]

@@ -12,7 +12,7 @@ import importlib
 import traceback
 
 from moebench.errors import UserError
-from moebench.libraries.base import Adapter, install_hint
+from moebench.libraries.base import Adapter
 
 ADAPTERS = {
     "transformers": "moebench.libraries.transformers:ADAPTER",
@@ -82,7 +82,6 @@ def require(names: list[str]) -> list[Adapter]:
     for name in names:
         st = status(name)
         if st.why_not:
-            hint = "" if install_hint(st.extra) in st.why_not else f" ({install_hint(st.extra)})"
-            raise UserError(f"{name} cannot run here: {st.why_not}{hint}", flag="--library")
+            raise UserError(f"{name} cannot run here: {st.why_not}", flag="--library")
         adapters.append(load(name))
     return adapters
