@@ -19,8 +19,9 @@ batch (that would keep other tokens).
 
 Compared on every rank, for STEPS plain SGD steps from identical weights: the loss, the output,
 the input gradient, the gate's gradient, every expert's gradient by its GLOBAL expert index and
-fairscale's own parameter name, and the weights after each step. The auxiliary loss `l_aux` is not
-part of the loss.
+fairscale's own parameter name, and the weights after each step (each step then restarts from the
+reference's weights, so a wrong gradient is named as itself, not as everything wrong after it).
+The auxiliary loss `l_aux` is not part of the loss.
 """
 
 from __future__ import annotations
@@ -205,7 +206,7 @@ def run(ctx, opts, per_rank: int, moe_layer_cls, gate_cls) -> list:
             label = name if e is None else f"{name} (expert {e})"
             got = p.grad if p.grad is not None else torch.zeros_like(p)
             results.append(compare(f"{prefix}grad {label}", got, params[ref_name].grad, tol, asserted=asserted,
-                                   alternatives={"rank-local": rank_local(alone[ref_name])}))
+                                   world_size=w, alternatives={"rank-local": rank_local(alone[ref_name])}))
         with torch.no_grad():
             for p in list(layer.parameters()) + list(params.values()):
                 if p.grad is not None:
@@ -215,6 +216,11 @@ def run(ctx, opts, per_rank: int, moe_layer_cls, gate_cls) -> list:
             ref_name, e = _global_name(name, r, per_rank)
             label = name if e is None else f"{name} (expert {e})"
             results.append(compare(f"{prefix}{label} after SGD", p, params[ref_name], tol, asserted=asserted))
+        # The next step starts from the reference's weights: each step is judged on its own, so one
+        # wrong gradient shows as that gradient, not as everything wrong from the next step on.
+        with torch.no_grad():
+            for name, p in layer.named_parameters():
+                p.copy_(params[_global_name(name, r, per_rank)[0]])
     return results
 
 

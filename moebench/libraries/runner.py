@@ -83,6 +83,9 @@ def rows_of(summary: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         d = c.get("diagnosis")
         why = d["sentence"] if d else c.get("reason", "") if c["status"] != "pass" else ""
+        first = (d or {}).get("details", {}).get("first") or {}
+        if first.get("sentence"):  # what the first wrong tensor looks like: the maintainer's lead
+            why = f"{why}; it {first['sentence']}"
         rows.append({**c["labels"], "features": list(c["labels"].get("features", ())), "check": c["name"],
                      "verdict": c["status"], "diagnosis": (f"{d['name']}: {why}" if d else why) or None,
                      "diagnosis_name": d["name"] if d else None, "elapsed_s": c["elapsed_s"]})

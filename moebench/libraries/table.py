@@ -42,7 +42,8 @@ def conformance(rows: list[dict[str, Any]], width: int = WIDTH) -> str:
         out.append(_line(c, widths, gap))
         if r["verdict"] != "pass" and r.get("diagnosis"):
             first = r["diagnosis"].strip().splitlines()[0]
-            out += textwrap.wrap(first, width, initial_indent=DIAGNOSIS_INDENT, subsequent_indent=DIAGNOSIS_INDENT)
+            out += textwrap.wrap(first, width, initial_indent=DIAGNOSIS_INDENT, subsequent_indent=DIAGNOSIS_INDENT,
+                                 break_on_hyphens=False)
     return "\n".join(out)
 
 

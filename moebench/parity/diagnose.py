@@ -93,7 +93,7 @@ def diagnose(actual: Any, expected: Any, *, atol: float, rtol: float, world_size
              alternatives: dict[str, Any] | None = None) -> dict[str, Any]:
     """The diagnosis of a failed comparison (actual vs expected, judged with atol / rtol).
 
-    `alternatives`: label -> tensor, or label -> (tensor, description of the implementation)."""
+    `alternatives`: label -> tensor, or label -> (tensor, what would give it[, diagnosis name[, its cause]])."""
     a, e = _t(actual), _t(expected)
     if a.shape != e.shape:
         return _d("shape", f"shape {tuple(a.shape)} instead of {tuple(e.shape)}",
@@ -112,11 +112,12 @@ def diagnose(actual: Any, expected: Any, *, atol: float, rtol: float, world_size
         return _d("zero", "all zeros: no gradient reached it (detached, or a backward that returns nothing)",
                   expected_magnitude=magnitude)
     for label, alt in (alternatives or {}).items():
-        alt, what, name = (*alt, label)[:3] if isinstance(alt, tuple) else (alt, label, label)
+        alt, what, name, cause = (*alt, label, "")[:4] if isinstance(alt, tuple) else (alt, label, label, "")
         found = _matches_alternative(a, _t(alt), atol, rtol, world_size)
         if found is not None:
-            scale, why = found
-            sentence = f"matches what {what} would give" + (f", x {scale:.4g} ({why})" if why else "")
+            scale, n = found
+            sentence = f"matches what {what} would give" + (f", scaled by {_fraction(scale, n, world_size)}" if n
+                                                              else "") + (f": {cause}" if cause else "")
             return _d(name.replace(" ", "-"), sentence, alternative=label, scale=scale)
     ee = float((e * e).sum())
     c = float((a * e).sum()) / ee if ee > 0 else 0.0
@@ -148,24 +149,30 @@ def diagnose(actual: Any, expected: Any, *, atol: float, rtol: float, world_size
 
 
 def _matches_alternative(a: torch.Tensor, alt: torch.Tensor, atol: float, rtol: float,
-                         world_size: int | None) -> tuple[float, str] | None:
-    """(1.0, "") when `a` matches `alt`; (c, why) when a = c x alt with c or 1/c an integer >= 2; else None."""
+                         world_size: int | None) -> tuple[float, int | None] | None:
+    """(1.0, None) when `a` matches `alt`; (c, N) when a = c x alt with c or 1/c the integer N >= 2; else None."""
     if alt.shape != a.shape or not bool((alt != 0).any()):
         return None
     if bool(_close(a, alt, atol, rtol).all()):
-        return 1.0, ""
+        return 1.0, None
     c = float((a * alt).sum()) / float((alt * alt).sum())
-    n, why = integer_scale(c, world_size) if c > 0 else (None, "")
+    n, _ = integer_scale(c, world_size) if c > 0 else (None, "")
     if n is not None and bool(_close(a, c * alt, atol, rtol).all()):
-        return c, why
+        return c, n
     return None
+
+
+def _fraction(c: float, n: int, world_size: int | None) -> str:
+    """c as "N" or "1/N", naming the world size when N is it."""
+    return (f"{n}" if c > 1 else f"1/{n}") + (" (the world size)" if n == world_size else "")
 
 
 def rank_local(grad: Any) -> tuple[Any, str, str]:
     """The `alternatives` entry for a gradient left rank-local: `grad` is what this rank computes
     from its own tokens alone (its loss, its slice of the batch), never all-reduced."""
-    return (grad, "this rank's own tokens alone: the gradient was never all-reduced over the ranks "
-            "(a parameter skipped by the gradient sync, or marked as an expert's)", RANK_LOCAL)
+    return (grad, "this rank's own tokens alone", RANK_LOCAL,
+            "the gradient was never all-reduced over the ranks (a parameter the gradient sync skips, "
+            "or one marked as an expert's)")
 
 
 def no_backward_exchange(no_exchange: Any, local_only: Any = None) -> dict[str, tuple[Any, str, str]]:
@@ -173,14 +180,14 @@ def no_backward_exchange(no_exchange: Any, local_only: Any = None) -> dict[str, 
     input gradient with the expert path contributing nothing (the exchange's backward returns zeros
     or is cut off), `local_only` the one where only this rank's own experts contribute (the backward
     keeps the slots the rank exchanged with itself, so tokens routed to other ranks' experts get none)."""
-    out = {"no backward exchange": (no_exchange, "an all-to-all whose backward sends no gradient back: the "
-                                    "experts' path adds nothing (check the exchange's autograd backward)",
-                                    MISSING_BACKWARD_EXCHANGE)}
+    out = {"no backward exchange": (no_exchange, "an all-to-all with no backward exchange", MISSING_BACKWARD_EXCHANGE,
+                                    "the experts' path adds nothing to the input gradient (check the "
+                                    "exchange's autograd backward)")}
     if local_only is not None:
         out["local-only backward exchange"] = (
-            local_only, "an all-to-all whose backward keeps only this rank's own slots: tokens whose experts "
-            "live on other ranks get no expert gradient (check the exchange's autograd backward)",
-            MISSING_BACKWARD_EXCHANGE)
+            local_only, "a backward all-to-all that keeps only this rank's own slots", MISSING_BACKWARD_EXCHANGE,
+            "tokens whose experts live on other ranks get no expert gradient (check the exchange's autograd "
+            "backward)")
     return out
 
 
@@ -273,4 +280,6 @@ def summarise(comparisons: list, world_size: int, first: Any = None) -> dict[str
             "details": {"right": right, "wrong": wrong,
                         "groups": {g: {"failed": v[0], "total": v[1]} for g, v in groups.items()},
                         "ranks_failed": ranks_failed, "scales": scales,
+                        "first": {"rank": first.rank, "name": first.name,
+                                  "sentence": first.diagnosis["sentence"] if first.diagnosis else first.note},
                         "diagnoses": {n: names.count(n) for n in sorted(set(names))}}}

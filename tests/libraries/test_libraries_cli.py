@@ -121,3 +121,8 @@ def test_library_console_names_a_broken_row_under_it(monkeypatch):
     rows = [i for i, line in enumerate(lines) if line.startswith("fairscale ")]
     assert len(rows) == 2 and all(" fail " in lines[i] for i in rows)
     assert all(lines[i + 1].startswith("    rank-local: ") for i in rows)
+    # the sentence says where to look: only the gate is wrong, and what its gradient is
+    under = " ".join(line.strip() for line in lines[rows[0] + 1:rows[1]])
+    assert under.startswith("rank-local: output right; input gradient right; experts right; gate/router wrong")
+    assert "this rank's own tokens alone would give, scaled by 1/2 (the world size)" in under
+    assert "never all-reduced" in under
