@@ -32,7 +32,7 @@ from torch import nn
 
 from moebench.libraries.base import InstalledLibrary, Row
 from moebench.parity.compare import SEED_ALLCLOSE_DEFAULT, STRICT, compare, pick
-from moebench.parity.diagnose import no_backward_exchange, rank_local
+from moebench.parity.diagnose import mispaired_scores, no_backward_exchange, rank_local
 from moebench.parity.registry import SkipCheck
 
 D_MODEL = 8
@@ -81,10 +81,12 @@ def _noise_seed(seed: int, step: int, rank: int) -> int:
 
 
 def reference(params: dict, x: torch.Tensor, noise: torch.Tensor, experts: int,
-              detached: frozenset[int] = frozenset()) -> torch.Tensor:
+              detached: frozenset[int] = frozenset(), swapped: bool = False) -> torch.Tensor:
     """GShard top-2 on ONE rank's tokens x[S, d] as plain math (capacity 2S/E per expert).
 
-    Outputs of the experts in `detached` keep their values but pass no gradient back."""
+    Outputs of the experts in `detached` keep their values but pass no gradient back. `swapped`:
+    where a token keeps both slots, each expert gets the OTHER one's score (the mis-pairing a
+    reordering bug makes; for the diagnosis only)."""
     s = x.shape[0]
     capacity = 2 * s // experts
     logits = F.linear(x, params["gate.wg.weight"])
@@ -108,7 +110,11 @@ def reference(params: dict, x: torch.Tensor, noise: torch.Tensor, experts: int,
         outs.append(out.detach() if e in detached else out)
     every = torch.stack(outs, dim=1)  # (tokens, experts, d)
     rows = torch.arange(s)
-    return (g1 / denom)[:, None] * every[rows, first] + (g2 / denom)[:, None] * every[rows, second]
+    w1, w2 = g1 / denom, g2 / denom
+    if swapped:
+        both = (g1 > 0) & (g2 > 0)
+        w1, w2 = torch.where(both, w2, w1), torch.where(both, w1, w2)
+    return w1[:, None] * every[rows, first] + w2[:, None] * every[rows, second]
 
 
 class Fairscale(InstalledLibrary):
@@ -197,8 +203,12 @@ def run(ctx, opts, per_rank: int, moe_layer_cls, gate_cls) -> list:
             _input_grad(params, x_all[r], weights[r], noise[r], experts, every - set(own)))
         alone = _rank_grads(params, x_all[r], weights[r], noise[r], experts)
 
+        with torch.no_grad():
+            mispaired = reference(params, x_all[r], noise[r], experts, swapped=True)
+        # The output first: a forward bug is named from it (a scalar loss only ever fits a scale).
+        results.append(compare(prefix + "output", y.detach(), y_ref[r].detach(), tol, asserted=asserted,
+                               alternatives={"scores mispaired": mispaired_scores(mispaired)}))
         results.append(compare(prefix + "loss", loss.detach(), losses[r].detach(), tol, asserted=asserted))
-        results.append(compare(prefix + "output", y.detach(), y_ref[r].detach(), tol, asserted=asserted))
         results.append(compare(prefix + "input grad", x.grad, big_x.grad[r] * w, tol, asserted=asserted,
                                alternatives=wrong_input))
         for name, p in layer.named_parameters():

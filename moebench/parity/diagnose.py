@@ -13,7 +13,8 @@ that failed. Detectors, in order (the first that explains the numbers wins):
   `rank_local(grad)` (RANK_LOCAL: the gradient this rank computes alone, never all-reduced) and
   `no_backward_exchange(...)` (MISSING_BACKWARD_EXCHANGE: the all-to-all's backward sends nothing
   back, or only the rank's own slots, so the expert path adds nothing to tokens whose experts live
-  elsewhere).
+  elsewhere); `mispaired_scores(...)` (SCORES_MISPAIRED: each token's routing scores applied to
+  its experts in the wrong order).
 - uniform-scale: actual = c * expected everywhere (c fitted by least squares). When c or 1/c is an
   integer N >= 2 (within SCALE_INTEGER_RTOL): "summed instead of averaged over N ranks" / "averaged twice".
 - rows-permuted: along some dim, every slice of actual equals some slice of expected, in another order.
@@ -53,6 +54,7 @@ MAX_NAMED = 8
 
 RANK_LOCAL = "rank-local"
 MISSING_BACKWARD_EXCHANGE = "missing-backward-exchange"
+SCORES_MISPAIRED = "scores-mispaired"
 
 GROUPS = ("output", "input gradient", "gate/router", "experts", "replicated")
 
@@ -189,6 +191,14 @@ def no_backward_exchange(no_exchange: Any, local_only: Any = None) -> dict[str, 
             "tokens whose experts live on other ranks get no expert gradient (check the exchange's autograd "
             "backward)")
     return out
+
+
+def mispaired_scores(output: Any) -> tuple[Any, str, str, str]:
+    """The `alternatives` entry for routing scores paired with the wrong experts: `output` is the
+    layer's output when each token's top-k scores are applied to its experts in another order."""
+    return (output, "each token's routing scores applied to its experts in the wrong order", SCORES_MISPAIRED,
+            "the scores lost their pairing with the experts (check where scores are permuted, sorted or "
+            "gathered alongside the expert indices)")
 
 
 def _slices(a: torch.Tensor, e: torch.Tensor, atol: float, rtol: float) -> dict[str, Any] | None:

@@ -135,3 +135,26 @@ def test_gate_gradient_rank_local(monkeypatch):
     d = record["diagnosis"]
     assert d["name"] == "rank-local" and "gate/router" in d["details"]["wrong"]
     assert not _step1(failed, "grad experts.") and not _step1(failed, "input grad")
+
+
+class _SwappedScoresGate(fairscale_moe.Top2Gate):
+    """Where a token keeps both slots, each expert's slot carries the other expert's score."""
+
+    def forward(self, input):
+        l_aux, combine, dispatch = super().forward(input)
+        flat = combine.reshape(combine.shape[0], -1)
+        vals, idx = flat.topk(2, dim=1)
+        both = (vals > 0).all(dim=1, keepdim=True)
+        swapped = torch.where(both, flat.scatter(1, idx, vals.flip(1)), flat)
+        return l_aux, swapped.view_as(combine), dispatch
+
+
+@pytest.mark.multirank
+def test_scores_paired_with_the_wrong_experts(monkeypatch):
+    """Top-2 scores applied to each other's expert. Real instance of the class: sgl-project/sglang#8125
+    (topk(sorted=False) left experts out of score order, so the wrong one was replaced)."""
+    monkeypatch.setattr(fairscale_moe, "Top2Gate", _SwappedScoresGate)
+    record, failed = _failed_row(_run(world_sizes=(2,)))
+    outputs = _step1(failed, "output")
+    assert outputs and all(c["diagnosis"]["name"] == "scores-mispaired" for c in outputs)
+    assert record["diagnosis"]["name"] == "scores-mispaired"
