@@ -12,6 +12,8 @@ from __future__ import annotations
 from moebench.libraries.base import InstalledLibrary, Row
 from moebench.parity.registry import load_all
 
+MIN_WORLD_SIZE = 2
+"""Both wrapped checks compare ep_size = W with ep_size = 1: one rank has nothing to compare."""
 ROWS = (
     # (model, backend, features, the check it runs)
     ("moe.layer.MoE", "-", ("top-1", "top-2+residual"), "deepspeed-moe-ep"),
@@ -34,6 +36,8 @@ class DeepSpeed(InstalledLibrary):
         return None
 
     def rows(self, world_size: int) -> list[Row]:
+        if world_size < MIN_WORLD_SIZE:
+            return []
         return [Row(library=self.name, model=model, backend=backend, ep_mode=f"ep={world_size}",
                     world_size=world_size, features=features) for model, backend, features, _ in ROWS]
 
