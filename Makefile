@@ -10,6 +10,7 @@
 # Every other dependency is installed at the versions in moebench/constraints.txt (reproducible installs;
 # `moebench env-check` warns when the venv drifts from them). CONSTRAINTS= (empty) installs unconstrained,
 # CONSTRAINTS=path uses another constraints file.
+# Extras installed: test, and the libraries the default suite verifies (verify-parity --library).
 PYTHON         ?= python3
 VENV           ?= .venv
 TORCH_SPEC     ?= torch==2.13.0
@@ -44,7 +45,7 @@ $(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	@case "$(TORCH_SPEC)" in *==*|*@*|*.whl) ;; *) echo "TORCH_SPEC must pin torch (torch==X.Y.Z, torch @ URL or a .whl), got '$(TORCH_SPEC)'"; exit 2;; esac
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e '.[test]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+	$(BIN)/pip install --quiet -e '.[test,fairscale]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	@rm -f $(VENV)/.moebench-installed-*
 	@touch $(STAMP)
 

@@ -344,3 +344,62 @@ class IgnoresCapacitySwitchGate(_switch_gate()):
             return super().forward(inp)
         finally:
             gates.limit_by_capacity = real
+
+
+# ------------------------------------------------------------------ expert-parallel exchange / sync bugs
+
+
+class _ZeroBackwardAllToAll(torch.autograd.Function):
+    """The forward exchange, and a backward that sends nothing back: zeros (keep_self=False), or
+    only the slots this rank exchanged with itself (keep_self=True: the local part survives)."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group, keep_self):
+        ctx.splits, ctx.group, ctx.keep_self = (out_splits, in_splits), group, keep_self
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        out_splits, in_splits = ctx.splits
+        grad_in = grad_out.new_zeros((sum(in_splits), *grad_out.shape[1:]))
+        if ctx.keep_self:
+            r = dist.get_rank(ctx.group)
+            src, dst = sum(out_splits[:r]), sum(in_splits[:r])
+            grad_in[dst:dst + in_splits[r]] = grad_out[src:src + out_splits[r]]
+        return grad_in, None, None, None, None
+
+
+def _patched_exchange_moe(keep_self: bool):
+    class _MoE(_fmoe()):
+        def moe_forward(self, x, topk_idx, topk_score):
+            from moebench.distributed import expert_parallel
+
+            real = expert_parallel.all_to_all
+            expert_parallel.all_to_all = lambda t, o, i, g=None: _ZeroBackwardAllToAll.apply(t, o, i, g, keep_self)
+            try:
+                return super().moe_forward(x, topk_idx, topk_score)
+            finally:
+                expert_parallel.all_to_all = real
+
+    return _MoE
+
+
+NoBackwardExchangeMoE = _patched_exchange_moe(keep_self=False)
+NoBackwardExchangeMoE.__doc__ = "The slots' all-to-all has no backward exchange: its backward returns zeros."
+LocalOnlyBackwardMoE = _patched_exchange_moe(keep_self=True)
+LocalOnlyBackwardMoE.__doc__ = ("The backward all-to-all keeps the slots a rank exchanged with itself and "
+                                "drops every other rank's: gradients come back from local experts only.")
+
+
+def gate_rank_local_sync(model):
+    """Expert gradients right (divided by the ep size), the gate's never all-reduced: each rank keeps
+    the gradient of its own tokens (the router-gradient bug class)."""
+    from moebench.distributed.expert_parallel import sync_gradients
+
+    kept = {n: p.grad.clone() for n, p in model.named_parameters() if n.startswith("gate.") and p.grad is not None}
+    sync_gradients(model)
+    for n, p in model.named_parameters():
+        if n in kept:
+            p.grad.copy_(kept[n])

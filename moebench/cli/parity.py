@@ -10,6 +10,7 @@ import typer
 from moebench.bounds import Items, Name, Text
 from moebench.cli import flags
 from moebench.distributed.env import is_printer as _is_printer
+from moebench.errors import UserError
 
 app = typer.Typer()
 
@@ -22,25 +23,39 @@ def _check_names() -> list[str]:
     return [c.name for c in all_checks()]
 
 
+def _library_names_known() -> list[str]:
+    from moebench.libraries.registry import ADAPTERS
+
+    return list(ADAPTERS)
+
+
 BOUNDS = {
     "--checks": Items(item=Name(what="check", choices=_check_names,
                                  listed_by="moebench verify-parity --list"), example="experts"),
     "--tolerance": Name(what="tolerance", choices=lambda: list(TOLERANCES)),
+    "--library": Items(item=Name(what="library", choices=_library_names_known,
+                                  listed_by="moebench verify-parity --list"), example="fairscale"),
     "--impl": Text(what="KEY=package.module:attribute", pattern=r"[a-z-]+=[A-Za-z_][\w.]*:[A-Za-z_][\w.]*"),
 }
 """verify-parity's own valued options (the shared ones carry their config field's bound)."""
 
 
 def _list(as_json: bool) -> None:
+    import dataclasses
+
+    from moebench.libraries import registry as libraries
+    from moebench.libraries.table import library_list
     from moebench.parity.registry import IMPORT_ERRORS, all_checks
 
     checks = all_checks()
+    statuses = libraries.statuses()
     if as_json:
         typer.echo(json.dumps({"checks": [
             {"name": c.name, "seed": c.seed_source, "description": c.description,
              "min_world_size": c.min_world_size, "max_world_size": c.max_world_size,
              "requires": list(c.requires), "impl_keys": list(c.impl_keys)} for c in checks],
-            "import_errors": {m: e.strip().splitlines()[-1] for m, e in IMPORT_ERRORS.items()}}, indent=2))
+            "import_errors": {m: e.strip().splitlines()[-1] for m, e in IMPORT_ERRORS.items()},
+            "libraries": [{**dataclasses.asdict(s), "can_run": s.why_not is None} for s in statuses]}, indent=2))
         return
     from rich import box
     from rich.markup import escape
@@ -66,6 +81,8 @@ def _list(as_json: bool) -> None:
     print_fitting(console, table, stacked)
     for module, error in IMPORT_ERRORS.items():
         console.print(f"[yellow]check module {module} did not import: {error.strip().splitlines()[-1]}[/]")
+    typer.echo("\nlibraries (verify-parity --library NAME):")
+    typer.echo(library_list(statuses))
 
 
 def _console():
@@ -173,6 +190,26 @@ def _print_table(summary: dict) -> None:
                       "is not asserted at all), so an all-zero result would pass.[/]")
 
 
+def _print_library_table(summary: dict) -> None:
+    from moebench.libraries.table import conformance
+
+    typer.echo(f"verify-parity --library: {len(summary['rows'])} row(s), {summary['comm_backend']}, "
+               f"tolerance {summary['tolerance']}")
+    typer.echo(conformance(summary["rows"]))
+    counts = summary["counts"]
+    typer.echo(f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped; "
+               f"{summary['vacuous_total']} vacuous comparison(s); {summary['wall_time_s']:.1f} s")
+    typer.echo(f"saved to {summary['run_path']}")
+
+
+def _library_names(library: Optional[str]) -> list[str]:
+    names = list(dict.fromkeys(n.strip() for n in (library or "").split(",") if n.strip()))
+    if not names:
+        raise UserError("names no library; give one or more (see --list), e.g. --library fairscale",
+                        flag="--library")
+    return names
+
+
 EXAMPLES = """Examples:
 
 \b
@@ -180,13 +217,15 @@ EXAMPLES = """Examples:
   moebench verify-parity -n 2 --checks ddp-sgd,experts
   moebench verify-parity -n 9 --checks experts --tolerance seed \\
       --impl experts=soft_moe_pytorch.soft_moe:Experts
+  moebench verify-parity --library fairscale,transformers
   moebench verify-parity --list"""
 
 
 @app.command("verify-parity", epilog=EXAMPLES)
 def verify_parity(
     ctx: typer.Context,
-    world_size: int = flags.shared_option("world_size", 4),
+    world_size: Optional[int] = flags.leaf_option(flags.SHARED_FIELDS["world_size"], value=None,
+                                                  shown="4; with --library: 2 and 4"),
     checks: Optional[str] = flags.bounded_option(
         None, "--checks", bound=BOUNDS["--checks"], metavar="NAMES",
         help="Comma-separated check names (default: all; see --list)."
@@ -216,12 +255,20 @@ def verify_parity(
     ),
     results_dir: Optional[str] = flags.shared_option("results_dir"),
     seed: int = flags.shared_option("seed", 0),
+    library: Optional[str] = flags.bounded_option(
+        None, "--library", bound=BOUNDS["--library"], metavar="NAME[,NAME]",
+        help="Verify installed MoE libraries instead of the checks: each library's rows (model x backend x "
+        "EP mode) at world sizes 2 and 4, or at --world-size when given (see --list; docs/libraries.md).",
+    ),
 ) -> None:
     """Run the parity checks: exit 0 when all ran passed, 1 when any failed or none ran, 2 on bad input."""
     if list_checks:
         _list(as_json)
         return
+    if library is not None and checks is not None:
+        raise UserError("runs the library rows, not checks; drop --checks or --library", flag="--library")
     import contextlib
+    import functools
 
     from moebench.config import require_launched_world
     from moebench.console import stdout_to_stderr
@@ -234,8 +281,9 @@ def verify_parity(
     check_root(results_dir, "parity")
     if is_launched_rank() and ctx.get_parameter_source("world_size").name == "COMMANDLINE":
         require_launched_world(world_size)  # torchrun's WORLD_SIZE decides: a flag saying otherwise is refused
-    require_ranks_fit(world_size)
-    config = parity_config(world_size=world_size, checks=checks, timeout_s=timeout,
+    if library is None:
+        require_ranks_fit(4 if world_size is None else world_size)
+    config = parity_config(world_size=4 if world_size is None else world_size, checks=checks, timeout_s=timeout,
                            comm_backend=backend_old or comm_backend, tolerance=tolerance, impls=impl,
                            debug_collectives=debug_collectives, seed=seed)
 
@@ -246,9 +294,18 @@ def verify_parity(
     # --json: stdout carries the one document; whatever else writes there (DeepSpeed's warnings
     # at import in this process, C++ prints) goes to stderr for the whole run.
     quiet_stdout = stdout_to_stderr() if as_json else contextlib.nullcontext()
+    execute = run
+    if library is not None:  # the library rows instead of the checks, through the same runner
+        from moebench.libraries.runner import DEFAULT_WORLD_SIZES, config_fields, verify_libraries
+
+        names = _library_names(library)
+        sizes = DEFAULT_WORLD_SIZES if world_size is None else (world_size,)
+        require_ranks_fit(max(sizes))
+        execute = functools.partial(verify_libraries, names, sizes, config_fields=config_fields(config))
     try:
         with quiet_stdout:
-            summary = run(config, results_dir=results_dir, on_record=progress)
+            summary = execute(config, results_dir=results_dir, on_record=progress) if library is None else \
+                execute(results_dir=results_dir, on_record=progress)
     except KeyboardInterrupt as exc:
         if _is_printer():
             from moebench import signals
@@ -258,6 +315,8 @@ def verify_parity(
     if _is_printer():
         if as_json:
             typer.echo(json.dumps(_jsonable(summary), indent=2))
+        elif library is not None:
+            _print_library_table(summary)
         else:
             _print_table(summary)
             from moebench.parity.runner import tested_lines

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from moebench.parity.compare import SEED_ALLCLOSE_DEFAULT, STRICT, compare, pick
+from moebench.parity.diagnose import no_backward_exchange, rank_local
 from moebench.parity.registry import Check, CheckOptions, SkipCheck, impl_or_default, register
 
 D_MODEL = 8
@@ -45,18 +46,39 @@ def _first(out):
     return out[0] if isinstance(out, tuple) else out
 
 
-def dense_reference(params: dict, x: torch.Tensor, experts: int, top_k: int) -> torch.Tensor:
-    """The MoE layer as plain math: NaiveGate top-k softmax, every expert on every token, mix."""
+def dense_reference(params: dict, x: torch.Tensor, experts: int, top_k: int,
+                    detached: frozenset[int] = frozenset()) -> torch.Tensor:
+    """The MoE layer as plain math: NaiveGate top-k softmax, every expert on every token, mix.
+
+    The outputs of the experts in `detached` keep their values but pass no gradient back (what an
+    exchange without a backward leaves: only the gate's path differentiates)."""
     logits = F.linear(x, params["gate.gate.weight"], params.get("gate.gate.bias"))
     top_val, top_idx = logits.topk(top_k, dim=-1)
     score = top_val.softmax(dim=-1)
     outs = []
     for e in range(experts):
         h = F.gelu(F.linear(x, params[f"experts.{e}.htoh4.weight"][0], params[f"experts.{e}.htoh4.bias"][0]))
-        outs.append(F.linear(h, params[f"experts.{e}.h4toh.weight"][0], params[f"experts.{e}.h4toh.bias"][0]))
+        out = F.linear(h, params[f"experts.{e}.h4toh.weight"][0], params[f"experts.{e}.h4toh.bias"][0])
+        outs.append(out.detach() if e in detached else out)
     every = torch.stack(outs, dim=1)  # (tokens, experts, d_model)
     picked = every.gather(1, top_idx[..., None].expand(-1, -1, every.shape[-1]))
     return (score[..., None] * picked).sum(dim=1)
+
+
+def _input_grad(params: dict, x: torch.Tensor, weights: torch.Tensor, experts: int,
+                detached: frozenset[int]) -> torch.Tensor:
+    """d(this rank's loss)/dx with the experts in `detached` passing no gradient back."""
+    x = x.detach().clone().requires_grad_(True)
+    loss = (dense_reference(params, x, experts, TOP_K, detached) * weights).mean()
+    return torch.autograd.grad(loss, x)[0]
+
+
+def _rank_loss_grads(params: dict, x: torch.Tensor, weights: torch.Tensor, experts: int) -> dict:
+    """The gradient of every parameter from this rank's own tokens and loss alone (never all-reduced)."""
+    names = list(params)
+    loss = (dense_reference(params, x.detach(), experts, TOP_K) * weights).mean()
+    grads = torch.autograd.grad(loss, [params[n] for n in names], allow_unused=True)
+    return {n: torch.zeros_like(params[n]) if g is None else g for n, g in zip(names, grads)}
 
 
 def _rank(ctx, opts: CheckOptions) -> list:
@@ -114,15 +136,22 @@ def _rank(ctx, opts: CheckOptions) -> list:
                                        y_ref.detach(), tol, asserted=asserted))
         results.append(compare(f"{prefix}: output", y, y_ref[rows], tol, asserted=asserted,
                                note=f"layer {label}, sync {sync_label}"))
+        # What the two exchange bugs and a rank-local sync would leave, for the diagnoses only.
+        own = range(r * EXPERTS_PER_RANK, (r + 1) * EXPERTS_PER_RANK)
+        wrong_input = no_backward_exchange(
+            _input_grad(single_params, x_all[rows], weights[rows], experts, frozenset(range(experts))),
+            _input_grad(single_params, x_all[rows], weights[rows], experts, frozenset(range(experts)) - set(own)))
+        alone = _rank_loss_grads(single_params, x_all[rows], weights[rows], experts)
         # A token's output depends on no other token: its input gradient is d(rank mean)/dx,
         # W times d(global mean)/dx.
-        results.append(compare(f"{prefix}: input grad", x.grad, big_x.grad[rows] * w, tol, asserted=asserted))
+        results.append(compare(f"{prefix}: input grad", x.grad, big_x.grad[rows] * w, tol, asserted=asserted,
+                               alternatives=wrong_input))
         for name, p in local.named_parameters():
             ref_name = _global_expert_key(name, r, EXPERTS_PER_RANK) if name.startswith("experts.") else name
             q = single_params[ref_name]
             got = p.grad if p.grad is not None else torch.zeros_like(p)
             results.append(compare(f"{prefix}: {name} grad (global {ref_name})", got, q.grad, tol,
-                                   asserted=asserted))
+                                   asserted=asserted, alternatives={"rank-local": rank_local(alone[ref_name])}))
         with torch.no_grad():
             for p in list(local.parameters()) + list(holder.parameters()):
                 if p.grad is not None:

@@ -7,7 +7,14 @@ that failed. Detectors, in order (the first that explains the numbers wins):
 - non-finite: NaN / Inf in the actual (or expected) tensor; the first index.
 - zero: the actual tensor is all zeros while the expected is not (detached; backward returned nothing).
 - alternatives: the caller may pass tensors a known-wrong implementation would produce, e.g. the
-  all-gather check passes {"local slice": what a local-slice backward gives}; a match names it.
+  all-gather check passes {"local slice": what a local-slice backward gives}; a match names it, and
+  so does a match up to an integer scale N or 1/N (a rank-local gradient later divided by W).
+  Two expert-parallel classes have builders here so every check names them alike:
+  `rank_local(grad)` (RANK_LOCAL: the gradient this rank computes alone, never all-reduced) and
+  `no_backward_exchange(...)` (MISSING_BACKWARD_EXCHANGE: the all-to-all's backward sends nothing
+  back, or only the rank's own slots, so the expert path adds nothing to tokens whose experts live
+  elsewhere); `mispaired_scores(...)` (SCORES_MISPAIRED: each token's routing scores applied to
+  its experts in the wrong order).
 - uniform-scale: actual = c * expected everywhere (c fitted by least squares). When c or 1/c is an
   integer N >= 2 (within SCALE_INTEGER_RTOL): "summed instead of averaged over N ranks" / "averaged twice".
 - rows-permuted: along some dim, every slice of actual equals some slice of expected, in another order.
@@ -44,6 +51,10 @@ SCALE_MIN_DEVIATION = 1e-3
 ROW_MATCH_SLACK = 10.0
 # At most this many indices are named in a sentence (the details keep all of them).
 MAX_NAMED = 8
+
+RANK_LOCAL = "rank-local"
+MISSING_BACKWARD_EXCHANGE = "missing-backward-exchange"
+SCORES_MISPAIRED = "scores-mispaired"
 
 GROUPS = ("output", "input gradient", "gate/router", "experts", "replicated")
 
@@ -84,7 +95,7 @@ def diagnose(actual: Any, expected: Any, *, atol: float, rtol: float, world_size
              alternatives: dict[str, Any] | None = None) -> dict[str, Any]:
     """The diagnosis of a failed comparison (actual vs expected, judged with atol / rtol).
 
-    `alternatives`: label -> tensor, or label -> (tensor, description of the implementation)."""
+    `alternatives`: label -> tensor, or label -> (tensor, what would give it[, diagnosis name[, its cause]])."""
     a, e = _t(actual), _t(expected)
     if a.shape != e.shape:
         return _d("shape", f"shape {tuple(a.shape)} instead of {tuple(e.shape)}",
@@ -103,10 +114,13 @@ def diagnose(actual: Any, expected: Any, *, atol: float, rtol: float, world_size
         return _d("zero", "all zeros: no gradient reached it (detached, or a backward that returns nothing)",
                   expected_magnitude=magnitude)
     for label, alt in (alternatives or {}).items():
-        alt, what = alt if isinstance(alt, tuple) else (alt, label)
-        alt_t = _t(alt)
-        if alt_t.shape == a.shape and bool(_close(a, alt_t, atol, rtol).all()):
-            return _d(label.replace(" ", "-"), f"matches what {what} would give", alternative=label)
+        alt, what, name, cause = (*alt, label, "")[:4] if isinstance(alt, tuple) else (alt, label, label, "")
+        found = _matches_alternative(a, _t(alt), atol, rtol, world_size)
+        if found is not None:
+            scale, n = found
+            sentence = f"matches what {what} would give" + (f", scaled by {_fraction(scale, n, world_size)}" if n
+                                                              else "") + (f": {cause}" if cause else "")
+            return _d(name.replace(" ", "-"), sentence, alternative=label, scale=scale)
     ee = float((e * e).sum())
     c = float((a * e).sum()) / ee if ee > 0 else 0.0
     if ee > 0 and c != 0 and abs(c - 1.0) > SCALE_MIN_DEVIATION:
@@ -134,6 +148,57 @@ def diagnose(actual: Any, expected: Any, *, atol: float, rtol: float, world_size
               outside=int(outside.sum()), numel=a.numel(), max_abs_diff=float(diff.max()),
               mean_abs_diff=float(diff.mean()), norm_ratio=ratio if ne else None, correlation=corr,
               best_scale=c)
+
+
+def _matches_alternative(a: torch.Tensor, alt: torch.Tensor, atol: float, rtol: float,
+                         world_size: int | None) -> tuple[float, int | None] | None:
+    """(1.0, None) when `a` matches `alt`; (c, N) when a = c x alt with c or 1/c the integer N >= 2; else None."""
+    if alt.shape != a.shape or not bool((alt != 0).any()):
+        return None
+    if bool(_close(a, alt, atol, rtol).all()):
+        return 1.0, None
+    c = float((a * alt).sum()) / float((alt * alt).sum())
+    n, _ = integer_scale(c, world_size) if c > 0 else (None, "")
+    if n is not None and bool(_close(a, c * alt, atol, rtol).all()):
+        return c, n
+    return None
+
+
+def _fraction(c: float, n: int, world_size: int | None) -> str:
+    """c as "N" or "1/N", naming the world size when N is it."""
+    return (f"{n}" if c > 1 else f"1/{n}") + (" (the world size)" if n == world_size else "")
+
+
+def rank_local(grad: Any) -> tuple[Any, str, str]:
+    """The `alternatives` entry for a gradient left rank-local: `grad` is what this rank computes
+    from its own tokens alone (its loss, its slice of the batch), never all-reduced."""
+    return (grad, "this rank's own tokens alone", RANK_LOCAL,
+            "the gradient was never all-reduced over the ranks (a parameter the gradient sync skips, "
+            "or one marked as an expert's)")
+
+
+def no_backward_exchange(no_exchange: Any, local_only: Any = None) -> dict[str, tuple[Any, str, str]]:
+    """The `alternatives` entries for an all-to-all without a backward exchange: `no_exchange` is the
+    input gradient with the expert path contributing nothing (the exchange's backward returns zeros
+    or is cut off), `local_only` the one where only this rank's own experts contribute (the backward
+    keeps the slots the rank exchanged with itself, so tokens routed to other ranks' experts get none)."""
+    out = {"no backward exchange": (no_exchange, "an all-to-all with no backward exchange", MISSING_BACKWARD_EXCHANGE,
+                                    "the experts' path adds nothing to the input gradient (check the "
+                                    "exchange's autograd backward)")}
+    if local_only is not None:
+        out["local-only backward exchange"] = (
+            local_only, "a backward all-to-all that keeps only this rank's own slots", MISSING_BACKWARD_EXCHANGE,
+            "tokens whose experts live on other ranks get no expert gradient (check the exchange's autograd "
+            "backward)")
+    return out
+
+
+def mispaired_scores(output: Any) -> tuple[Any, str, str, str]:
+    """The `alternatives` entry for routing scores paired with the wrong experts: `output` is the
+    layer's output when each token's top-k scores are applied to its experts in another order."""
+    return (output, "each token's routing scores applied to its experts in the wrong order", SCORES_MISPAIRED,
+            "the scores lost their pairing with the experts (check where scores are permuted, sorted or "
+            "gathered alongside the expert indices)")
 
 
 def _slices(a: torch.Tensor, e: torch.Tensor, atol: float, rtol: float) -> dict[str, Any] | None:
@@ -225,4 +290,6 @@ def summarise(comparisons: list, world_size: int, first: Any = None) -> dict[str
             "details": {"right": right, "wrong": wrong,
                         "groups": {g: {"failed": v[0], "total": v[1]} for g, v in groups.items()},
                         "ranks_failed": ranks_failed, "scales": scales,
+                        "first": {"rank": first.rank, "name": first.name,
+                                  "sentence": first.diagnosis["sentence"] if first.diagnosis else first.note},
                         "diagnoses": {n: names.count(n) for n in sorted(set(names))}}}

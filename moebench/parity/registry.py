@@ -112,8 +112,15 @@ class Check:
     preload: tuple[str, ...] = ()
     """Modules imported in the parent before the ranks fork, so N ranks do not each pay the import
     (DDP imports torch._dynamo lazily: ~1 s alone, ~2 s per rank when 4 ranks do it at once)."""
+    world_size: int | None = None
+    """Run on exactly this many ranks whatever --world-size says (a library row's world); None: the run's."""
+    labels: tuple[tuple[str, object], ...] = ()
+    """(field, value) pairs carried into the check's record as `labels` (a library row's library,
+    version, model, backend, ep_mode, world_size, features)."""
 
     def skip_reason(self, world_size: int) -> str | None:
+        if self.world_size is not None and world_size != self.world_size:
+            return f"needs exactly {self.world_size} ranks"
         if world_size < self.min_world_size:
             return f"needs world size >= {self.min_world_size}"
         if self.max_world_size is not None and world_size > self.max_world_size:

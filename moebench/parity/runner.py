@@ -149,6 +149,9 @@ class CheckRecord:
     """The implementations this check tested that are the user's (--impl), not moebench's:
     {key: "module:attribute"}. Empty: moebench's own code was tested."""
 
+    labels: dict = dataclasses.field(default_factory=dict)
+    """The check's labels (Check.labels), e.g. a library row's library / version / model."""
+
 
 def tested_lines(summary: dict[str, Any]) -> list[str]:
     """What was tested, for the console and the report: one line per --impl key that replaced
@@ -182,7 +185,7 @@ def _rank_entry(ctx, check_name: str, opts: CheckOptions) -> dict:
 def _audit(check: Check, result, world_size: int) -> CheckRecord:
     base = dict(name=check.name, seed_source=check.seed_source, description=check.description,
                 catches=check.catches, world_size=world_size, elapsed_s=result.elapsed_s,
-                launch_status=result.status, backend=result.backend)
+                launch_status=result.status, backend=result.backend, labels=dict(check.labels))
     if not result.ok:
         return CheckRecord(**base, status="fail", reason=result.describe())
     skips = [r["skip"] for r in result.returns if r and "skip" in r]
@@ -280,14 +283,16 @@ def run_checks(config: ParityConfig, *, on_record: Callable[[CheckRecord], None]
     resolved = resolve_backend(config.comm_backend, local_world_size(world_size))
     for check in checks:
         signals.check()  # a safe point between checks
-        reason = check.skip_reason(world_size)
+        # A check with its own world (a library row) runs at it, except under torchrun (the job's is fixed).
+        size = check.world_size if check.world_size is not None and not under_torchrun() else world_size
+        reason = check.skip_reason(size)
         backend = None
         if reason is None:
             backend, reason = check_backend(check, config.comm_backend, resolved)
         if reason is not None:
             record = CheckRecord(name=check.name, status="skip", seed_source=check.seed_source,
                                  description=check.description, catches=check.catches,
-                                 world_size=world_size, elapsed_s=0.0, reason=reason)
+                                 world_size=size, elapsed_s=0.0, reason=reason, labels=dict(check.labels))
         else:
             for module in check.preload:
                 importlib.import_module(module)
@@ -298,9 +303,9 @@ def run_checks(config: ParityConfig, *, on_record: Callable[[CheckRecord], None]
                 seed=config.seed % CHECK_SEED_MODULUS,
                 timeout_s=timeout_s,
             )
-            result = launch(_rank_entry, world_size, args=(check.name, opts), backend=backend,
+            result = launch(_rank_entry, size, args=(check.name, opts), backend=backend,
                             timeout_s=timeout_s, label=f"check {check.name}", env=env)
-            record = _audit(check, result, world_size)
+            record = _audit(check, result, size)
         record.user_impls = {key: config.impls[key] for key in check.impl_keys if key in config.impls}
         records.append(record)
         if on_record is not None:
@@ -330,11 +335,13 @@ def no_check_ran(summary: dict[str, Any]) -> str:
 
 
 def verify_parity(config: ParityConfig, *, results_dir: str | None = None,
-                  on_record: Callable[[CheckRecord], None] | None = None) -> dict[str, Any]:
+                  on_record: Callable[[CheckRecord], None] | None = None,
+                  decorate: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> dict[str, Any]:
     """Validate, run, and save under results/parity/<run-id>/ (rank 0 only). Returns the summary.
 
     The summary's "status" is "ok" when at least one check passed and none failed, else "failed"
-    (with a "reason" when every check was skipped). Ctrl-C / SIGTERM write "interrupted" and
+    (with a "reason" when every check was skipped). `decorate(summary)` may add keys before it is
+    saved (the library matrix's rows). Ctrl-C / SIGTERM write "interrupted" and
     propagate as KeyboardInterrupt; any other exception writes "failed" and propagates."""
     from moebench.models.deepspeed_moe import set_accelerator_env
 
@@ -342,10 +349,10 @@ def verify_parity(config: ParityConfig, *, results_dir: str | None = None,
     set_accelerator_env("cuda" if config.comm_backend == "nccl" or torch.cuda.is_available() else "cpu")
     is_writer = not under_torchrun() or int(os.environ.get("RANK", "0")) == 0
     with sigterm_as_interrupt():
-        return _run_and_save(config, results_dir, on_record, is_writer)
+        return _run_and_save(config, results_dir, on_record, is_writer, decorate)
 
 
-def _run_and_save(config, results_dir, on_record, is_writer) -> dict[str, Any]:
+def _run_and_save(config, results_dir, on_record, is_writer, decorate=None) -> dict[str, Any]:
     run_dir = RunDir.create("parity", root=results_dir) if is_writer else None
     if run_dir is not None:
         run_dir.write_json("config.json", {"kind": "parity", **dataclasses.asdict(config)})
@@ -375,6 +382,8 @@ def _run_and_save(config, results_dir, on_record, is_writer) -> dict[str, Any]:
     reason = no_check_ran(summary)
     status = STATUS_FAILED if summary["counts"]["fail"] or reason else STATUS_OK
     summary = {**({"reason": reason} if reason else {}), **summary}
+    if decorate is not None:
+        summary = decorate(summary)
     if run_dir is not None:
         try:
             return run_dir.finish(status, summary)

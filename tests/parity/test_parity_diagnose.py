@@ -237,3 +237,50 @@ def test_partial_along_a_later_dim_reads_as_english():
     a[:, 3] *= -1
     d = diagnose(a, e, atol=1e-6, rtol=1e-5)
     assert d["name"] == "partial" and d["sentence"].startswith("only slice 3 along dim 1 of 8 differ")
+
+
+# ------------------------------------------------------------------ rank-local / missing backward exchange
+
+
+def test_rank_local_matches_its_alternative_and_up_to_an_integer_scale():
+    from moebench.parity.diagnose import RANK_LOCAL, rank_local
+
+    e, alone = _e(5, 4), _e(5, 4, seed=1)
+    d = _diag(alone, e, alternatives={"rank-local": rank_local(alone)})
+    assert d["name"] == RANK_LOCAL and "never all-reduced" in d["sentence"]
+    d = _diag(alone / 4, e, alternatives={"rank-local": rank_local(alone)}, world_size=4)
+    assert d["name"] == RANK_LOCAL and abs(d["details"]["scale"] - 0.25) < 1e-9 and "(the world size)" in d["sentence"]
+    d = _diag(alone * 1.3, e, alternatives={"rank-local": rank_local(alone)})  # no integer scale: not this class
+    assert d["name"] != RANK_LOCAL
+
+
+def test_missing_backward_exchange_names_both_forms():
+    from moebench.parity.diagnose import MISSING_BACKWARD_EXCHANGE, no_backward_exchange
+
+    e, gate_only, local = _e(6, 3), _e(6, 3, seed=1), _e(6, 3, seed=2)
+    alts = no_backward_exchange(gate_only, local)
+    assert _diag(gate_only, e, alternatives=alts)["name"] == MISSING_BACKWARD_EXCHANGE
+    d = _diag(local, e, alternatives=alts)
+    assert d["name"] == MISSING_BACKWARD_EXCHANGE and "only this rank's own slots" in d["sentence"]
+
+
+@pytest.mark.multirank
+def test_router_gradient_never_all_reduced_is_rank_local():
+    record, failed = _record("moe-expert-parallel", "moe-sync", "gate_rank_local_sync")
+    grads = [c for c in failed if "grad" in c["name"]]
+    assert grads and all(c["diagnosis"]["name"] == "rank-local" and c["name"].split(": ")[1].startswith("gate.")
+                         for c in grads)
+    d = record["diagnosis"]
+    assert d["name"] == "rank-local" and d["details"]["wrong"] == ["gate/router"]
+    assert {"output", "input gradient", "experts"} <= set(d["details"]["right"])
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("impl", ["NoBackwardExchangeMoE", "LocalOnlyBackwardMoE"])
+def test_all_to_all_without_backward_exchange_is_named(impl):
+    record, failed = _record("moe-expert-parallel", "moe", impl)
+    inputs = [c for c in failed if c["name"].endswith("input grad")]
+    assert inputs and all(c["diagnosis"]["name"] == "missing-backward-exchange" for c in inputs)
+    d = record["diagnosis"]
+    assert d["name"] == "missing-backward-exchange" and "input gradient" in d["details"]["wrong"]
+    assert {"output", "gate/router"} <= set(d["details"]["right"])

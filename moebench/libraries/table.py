@@ -1,0 +1,62 @@
+"""The conformance matrix and the library list as plain text, at most WIDTH columns."""
+
+from __future__ import annotations
+
+import textwrap
+from typing import Any
+
+WIDTH = 80
+"""Console width every line fits (the project's rule)."""
+COLUMNS = (("library", "library"), ("version", "version"), ("model", "model"), ("backend", "backend"),
+           ("EP mode", "ep_mode"), ("world", "world_size"), ("verdict", "verdict"), ("time", "time"))
+DIAGNOSIS_INDENT = "    "
+
+
+def _fit(rows: list[list[str]], header: list[str], width: int = WIDTH) -> tuple[list[int], str]:
+    """Column widths and the gap: two spaces when everything fits, else one; past that the widest
+    columns are cut (ending in "~") until the line fits `width`."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    gap = "  " if sum(widths) + 2 * (len(widths) - 1) <= width else " "
+    while sum(widths) + len(gap) * (len(widths) - 1) > width:
+        i = max(range(len(widths)), key=widths.__getitem__)
+        widths[i] -= 1
+    return widths, gap
+
+
+def _cell(text: str, width: int) -> str:
+    return text.ljust(width) if len(text) <= width else text[: width - 1] + "~"
+
+
+def _line(cells: list[str], widths: list[int], gap: str = "  ") -> str:
+    return gap.join(_cell(c, w) for c, w in zip(cells, widths)).rstrip()
+
+
+def conformance(rows: list[dict[str, Any]], width: int = WIDTH) -> str:
+    """One line per row; under a failing (or skipped) row its diagnosis, wrapped and indented."""
+    header = [h for h, _ in COLUMNS]
+    cells = [[f"{r['elapsed_s']:.1f}s" if key == "time" else str(r.get(key, "")) for _, key in COLUMNS]
+             for r in rows]
+    widths, gap = _fit(cells, header, width)
+    out = [_line(header, widths, gap), _line(["-" * w for w in widths], widths, gap)]
+    for r, c in zip(rows, cells):
+        out.append(_line(c, widths, gap))
+        if r["verdict"] != "pass" and r.get("diagnosis"):
+            first = r["diagnosis"].strip().splitlines()[0]
+            out += textwrap.wrap(first, width, initial_indent=DIAGNOSIS_INDENT, subsequent_indent=DIAGNOSIS_INDENT,
+                                 break_on_hyphens=False)
+    return "\n".join(out)
+
+
+def library_list(statuses: list, width: int = WIDTH) -> str:
+    """One line per library: version, whether it runs here, and the one line why not."""
+    header = ["library", "version", "runs", "why not"]
+    cells = [[s.name, s.version or "-", "no" if s.why_not else "yes", s.why_not or ""] for s in statuses]
+    fixed, _ = _fit([c[:3] for c in cells], header[:3], width // 2)
+    indent = sum(fixed) + 2 * 3
+    out = [_line(header, [*fixed, width - indent])]
+    for c in cells:
+        head = "  ".join(_cell(x, w) for x, w in zip(c[:3], fixed)) + "  "
+        wrapped = textwrap.wrap(c[3], width - indent) or [""]
+        out.append((head + wrapped[0]).rstrip())
+        out += [" " * indent + more for more in wrapped[1:]]
+    return "\n".join(out)

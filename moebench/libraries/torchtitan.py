@@ -1,0 +1,46 @@
+"""torchtitan: listed with an honest why-not where its MoE cannot run here (no rows yet).
+
+torchtitan 0.3.0's `MoE` (AllToAllTokenDispatcher) computes its experts in bf16 through
+`torch._grouped_mm`, and `import torchtitan.models.common.moe` needs triton, which the package does
+not declare. moebench never injects stand-in modules to make a library import.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from moebench.libraries.base import InstalledLibrary, Row
+from moebench.parity.registry import SkipCheck, import_problem
+
+MEASURED = "0.3.0"
+"""The release the why-not lines describe (downloaded and read, not installed: see docs/libraries.md)."""
+MOE_MODULE = "torchtitan.models.common.moe:MoE"
+"""What an adapter would build on."""
+PROBE_TIMEOUT_S = 60.0
+"""How long the import probe may take (torch alone takes ~2 s here)."""
+
+
+class TorchTitan(InstalledLibrary):
+    name = "torchtitan"
+    import_name = "torchtitan"
+    extra = "torchtitan"
+    dist_name = "torchtitan"
+
+    def unavailable(self) -> str | None:
+        if importlib.util.find_spec(self.import_name) is None:
+            return (f"not installed (pip install torchtitan=={MEASURED}); no rows yet: its MoE imports triton "
+                    "(undeclared) and runs experts in bf16 via torch._grouped_mm")
+        # Installed: try its MoE module in a child process (never here), and say what stops it.
+        problem = import_problem(MOE_MODULE, PROBE_TIMEOUT_S)
+        if problem:
+            return f"{MOE_MODULE.partition(':')[0]} {problem}"
+        return "no adapter rows yet (its experts compute in bf16 via torch._grouped_mm)"
+
+    def rows(self, world_size: int) -> list[Row]:
+        return []
+
+    def run_row(self, ctx, row: Row, opts):
+        raise SkipCheck(self.unavailable() or "no rows")
+
+
+ADAPTER = TorchTitan()
