@@ -59,10 +59,10 @@ HIDDEN = 32
 EXPERT_INTERMEDIATE = 16
 NUM_EXPERTS = 8
 TOP_K = 2
-# Tokens: each rank's part of the global batch is SEQS_PER_RANK x SEQ_LEN = 16 tokens, so at W = 2
-# the 8 experts share 64 routed slots: every expert gets tokens (no vacuous, all-zero gradients).
+# Tokens: each rank's part of the global batch is SEQS_PER_RANK x SEQ_LEN = 32 tokens, so at W = 2
+# the 8 experts share 128 routed slots: every expert gets tokens (no vacuous, all-zero gradients).
 SEQS_PER_RANK = 2
-SEQ_LEN = 8
+SEQ_LEN = 16
 # Three SGD steps: enough for a wrong gradient to bend the loss curve, cheap at this size.
 STEPS = 3
 LR = 0.1
@@ -216,10 +216,10 @@ def model_classes(model: str):
         return hf.OlmoeConfig, hf.OlmoeForCausalLM, dict(
             common, intermediate_size=EXPERT_INTERMEDIATE, num_experts=NUM_EXPERTS, norm_topk_prob=False)
     if model == "deepseek_v3":
-        # Two expert groups of 4, one chosen per token (the grouped top-k), one shared expert.
+        # Four expert groups of 2, two chosen per token (the grouped top-k), one shared expert.
         return hf.DeepseekV3Config, hf.DeepseekV3ForCausalLM, dict(
             common, intermediate_size=2 * EXPERT_INTERMEDIATE, moe_intermediate_size=EXPERT_INTERMEDIATE,
-            n_routed_experts=NUM_EXPERTS, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=0,
+            n_routed_experts=NUM_EXPERTS, n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=0,
             kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
             num_mtp_layers=0, routed_scaling_factor=1.5)
     raise ValueError(model)
