@@ -306,7 +306,8 @@ def build(row: Row, seed: int):
     # Each model gets its own copy: from_pretrained may keep the state dict's tensors as its parameters.
     reference = model_cls.from_pretrained(None, config=config, state_dict=_copy(state),
                                           experts_implementation=row.backend)
-    parallel = model_cls.from_pretrained(None, config=config, state_dict=_copy(state), experts_implementation=row.backend,
+    parallel = model_cls.from_pretrained(None, config=config, state_dict=_copy(state),
+                                         experts_implementation=row.backend,
                                          distributed_config=_distributed_config(row))
     reference.train()
     parallel.train()
@@ -359,8 +360,6 @@ def _run(ctx, row: Row, opts) -> list:
         ref_curve.append(float(ref_loss.detach()))
         if step == 0:
             cmp("output", y.detach(), yr.detach()[rows])
-            # A rank's input gradient is of its own loss: W x the global mean's when it holds 1/W of the batch.
-            cmp("input grad", x.grad, xr.grad[rows] * (1 if shared else w))
             for name, p in par.named_parameters():
                 ref_grad = ref_params[name].grad
                 if p.grad is None:
@@ -373,6 +372,10 @@ def _run(ctx, row: Row, opts) -> list:
                             cmp(f"grad {name}[expert {e}]", local[i], ref_grad[e])
                 else:
                     cmp(f"grad {name}", _full(p.grad), ref_grad)
+            # After the parameters' gradients, so that a wrong router gradient (which also bends the input
+            # gradient through the router) is the first failure named, not its consequence.
+            # A rank's input gradient is of its own loss: W x the global mean's when it holds 1/W of the batch.
+            cmp("input grad", x.grad, xr.grad[rows] * (1 if shared else w))
         opt.step()
         ref_opt.step()
         opt.zero_grad(set_to_none=True)
