@@ -67,6 +67,8 @@ SEQ_LEN = 16
 STEPS = 3
 LR = 0.1
 BLOCK = "model.layers.0.mlp"
+OUTPUT = "(output)"
+"""The key of a wrong reference's block output (beside its parameters' gradients)."""
 
 
 def _hf_version() -> str | None:
@@ -314,6 +316,53 @@ def build(row: Row, seed: int):
     return reference.get_submodule(BLOCK), parallel, parallel.get_submodule(BLOCK)
 
 
+# What two known-wrong expert-parallel implementations would give, so a failure that matches one is named
+# (moebench.parity.diagnose's `alternatives`): label -> what the implementation does.
+RANK_LOCAL = ("rank-local gradient", "a router gradient never all-reduced over the ranks: each rank's "
+              "routing weights get gradient only through the experts it holds (AllReduceEP's backward "
+              "all-reduce of top_k_weights missing)")
+NO_BACKWARD_EXCHANGE = ("missing backward exchange", "an all-to-all with no backward: the gradient through "
+                        "the experts never returns to the rank holding the token (input gradient through "
+                        "the router only)")
+
+SWAPPED_SCORES = ("scores paired wrong", "routing weights paired with the wrong experts: each token's top-k "
+                  "weights applied to its selected experts in the wrong order")
+
+
+def _wrong_references(ref, row: Row, rank: int, x_all, t_all) -> dict[str, tuple[Any, dict[str, Any]]]:
+    """label -> (input gradient, {parameter: gradient}) of the one-process block made wrong on purpose,
+    on copies of it (the reference itself is untouched)."""
+    import copy
+
+    out: dict[str, tuple[Any, dict[str, Any]]] = {}
+
+    def run(block, label):
+        x = x_all.clone().requires_grad_(True)
+        y = block(x)
+        ((y * t_all).sum() / t_all[..., 0].numel()).backward()
+        grads = {n: p.grad for n, p in block.named_parameters() if p.grad is not None}
+        out[label] = (x.grad, {**grads, OUTPUT: y.detach()})
+
+    swapped = copy.deepcopy(ref)
+    swapped.gate.register_forward_hook(lambda module, args, output: (output[0], output[1].flip(-1), output[2]))
+    run(swapped, SWAPPED_SCORES[0])
+    cut = copy.deepcopy(ref)
+    cut.experts.register_forward_pre_hook(lambda module, args: (args[0].detach(), *args[1:]))
+    run(cut, NO_BACKWARD_EXCHANGE[0])
+    if row.ep_mode == "all_reduce":
+        local = copy.deepcopy(ref)
+        per_rank = NUM_EXPERTS // row.world_size
+
+        def routes_local_only(module, args, output):
+            logits, weights, index = output
+            off_rank = (index // per_rank) != rank
+            return logits, weights.detach().where(off_rank, weights), index
+
+        local.gate.register_forward_hook(routes_local_only)
+        run(local, RANK_LOCAL[0])
+    return out
+
+
 def _run(ctx, row: Row, opts) -> list:
     import torch
     import torch.distributed as dist
@@ -359,7 +408,19 @@ def _run(ctx, row: Row, opts) -> list:
         curve.append(float(total))
         ref_curve.append(float(ref_loss.detach()))
         if step == 0:
-            cmp("output", y.detach(), yr.detach()[rows])
+            wrong = _wrong_references(ref, row, r, x_all, t_all)
+            described = dict((NO_BACKWARD_EXCHANGE, RANK_LOCAL, SWAPPED_SCORES))
+
+            def alternatives(param: str | None, scale: float = 1.0) -> dict[str, Any]:
+                found = {}
+                for label, (input_grad, grads) in wrong.items():
+                    t = input_grad[rows] * scale if param is None else grads.get(param)
+                    t = t[rows] if param == OUTPUT and t is not None else t
+                    if t is not None:
+                        found[label] = (t, described[label])
+                return found
+
+            cmp("output", y.detach(), yr.detach()[rows], alternatives=alternatives(OUTPUT))
             for name, p in par.named_parameters():
                 ref_grad = ref_params[name].grad
                 if p.grad is None:
@@ -371,11 +432,12 @@ def _run(ctx, row: Row, opts) -> list:
                         if e is not None:
                             cmp(f"grad {name}[expert {e}]", local[i], ref_grad[e])
                 else:
-                    cmp(f"grad {name}", _full(p.grad), ref_grad)
+                    cmp(f"grad {name}", _full(p.grad), ref_grad, alternatives=alternatives(name))
             # After the parameters' gradients, so that a wrong router gradient (which also bends the input
             # gradient through the router) is the first failure named, not its consequence.
             # A rank's input gradient is of its own loss: W x the global mean's when it holds 1/W of the batch.
-            cmp("input grad", x.grad, xr.grad[rows] * (1 if shared else w))
+            scale = 1 if shared else w
+            cmp("input grad", x.grad, xr.grad[rows] * scale, alternatives=alternatives(None, scale))
         opt.step()
         ref_opt.step()
         opt.zero_grad(set_to_none=True)

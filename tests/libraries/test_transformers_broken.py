@@ -87,6 +87,8 @@ def test_router_gradient_never_all_reduced(monkeypatch):
     assert "output" in step0_passed  # the forward is right: only the backward misses the other ranks' slots
     assert not [c for c in result.failed if c.name.startswith("grad experts.")]
     assert {"gate/router", "input gradient"} <= result.failed_groups()
+    assert result.failed[0].name == "grad gate.weight"  # the root cause comes first, named by its class
+    assert result.failed[0].diagnosis["name"] == "rank-local-gradient", result.describe()
 
 
 def test_no_backward_all_to_all(monkeypatch):
@@ -110,7 +112,8 @@ def test_no_backward_all_to_all(monkeypatch):
     passed = {c.name for c in result.comparisons if c.passed}
     assert {"output", "grad gate.weight"} <= passed
     assert not [n for n in failed if n.startswith("grad experts.")]
-    assert "input gradient" in result.failed_groups()
+    assert result.failed_groups() == {"input gradient"}
+    assert {c.diagnosis["name"] for c in result.failed} == {"missing-backward-exchange"}, result.describe()
 
 
 def test_scores_paired_with_the_wrong_experts(monkeypatch):
@@ -129,3 +132,5 @@ def test_scores_paired_with_the_wrong_experts(monkeypatch):
     assert not result.passed
     assert "output" in {c.name for c in result.failed}, result.describe()
     assert {"output", "gate/router", "experts"} <= result.failed_groups()
+    assert result.failed[0].name == "output"
+    assert result.failed[0].diagnosis["name"] == "scores-paired-wrong", result.describe()
