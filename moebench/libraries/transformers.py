@@ -132,16 +132,23 @@ ADAPTER = TransformersAdapter()
 # ------------------------------------------------------------------ what runs where
 
 
-def _api() -> str:
-    """Which DistributedConfig generation is installed: "ep_implementation", "ep_plan" or "enable_expert_parallel"."""
+def _config_fields() -> set[str]:
     from transformers.distributed import DistributedConfig
 
-    fields = {f.name for f in dataclasses.fields(DistributedConfig)}
+    return {f.name for f in dataclasses.fields(DistributedConfig)}
+
+
+def _api() -> str:
+    """Which DistributedConfig generation is installed: "ep_implementation", "ep_plan", "enable_expert_parallel"
+    (with tp_size) or "none" (5.0: a bare enable_expert_parallel flag)."""
+    fields = _config_fields()
     if "ep_implementation" in fields:
         return "ep_implementation"
     if "ep_size" in fields:
         return "ep_plan"
-    return "enable_expert_parallel"
+    if "tp_size" in fields:
+        return "enable_expert_parallel"
+    return "none"
 
 
 def skip_reason(row: Row) -> str | None:
@@ -162,6 +169,12 @@ def skip_reason(row: Row) -> str | None:
         return "expert parallelism needs world size >= 2"
     if NUM_EXPERTS % row.world_size:
         return f"{NUM_EXPERTS} experts do not split evenly over {row.world_size} ranks"
+    if _api() == "none":
+        return (f"transformers {_hf_version()}'s DistributedConfig has no tp_size: expert parallelism only at load "
+                "time with a tp_plan, which this adapter does not drive")
+    if row.ep_mode == "all_to_all" and _api() == "ep_plan" and "fsdp_plan" not in _config_fields():
+        return (f"transformers {_hf_version()} has no fsdp_plan override: its FSDP-wrapped MoE block cannot be "
+                "driven without its decoder layer")
     if row.ep_mode.startswith("all_to_all") and _api() == "enable_expert_parallel":
         return f"transformers {_hf_version()} has no all-to-all token dispatch (ep_dispatch_experts, 5.20+)"
     return None
@@ -186,8 +199,6 @@ def _distributed_config(row: Row):
     elif implementation == "all_reduce":  # 5.20-5.22: the router-masking plan
         prefix = BLOCK.replace(".0.", ".*.")
         kwargs["ep_plan"] = {f"{prefix}.gate": "ep_router", f"{prefix}.experts": "moe_tp_experts"}
-    if row.ep_mode == "all_to_all" and api != "ep_implementation":
-        kwargs.pop("fsdp_plan")  # 5.20-5.22 has no fsdp_plan override: the block is called through its layer
     return DistributedConfig(**kwargs)
 
 
