@@ -22,13 +22,15 @@ Expert-parallel modes (`Row.ep_mode`), as of transformers 5.23:
 - `all_reduce`: `DistributedConfig(tp_size=W, ep_size=W, ep_implementation="all_reduce")` - the W
   ranks share one batch, each runs its own experts on all of it, an all-reduce sums the outputs.
 Release differences (the adapter reads the installed DistributedConfig's fields, not a version list):
-- 5.23+: `ep_implementation` names the exchange (`EPImplementationInterface`).
+- 5.23+: `ep_implementation` names the exchange (`EPImplementationInterface`); `fsdp_plan` exists.
 - 5.20-5.22: `ep_size` / `ep_plan` but no `ep_implementation`: the default plan's `ep_dispatch_experts`
-  rule is all-to-all; all-reduce is the plan `{gate: "ep_router", experts: "moe_tp_experts"}`.
-- 5.0-5.19: only `enable_expert_parallel` (router masking + all-reduce across `tp_size` ranks); no
-  all-to-all token dispatch, so the all-to-all rows are skipped with that reason.
-Only 5.23.0 (pinned in constraints.txt) is tested here; the older branches follow those releases'
-documented configuration and are unverified.
+  rule is all-to-all; all-reduce is the plan `{gate: "ep_router", experts: "moe_tp_experts"}`. No
+  `fsdp_plan`, so the data-parallel `all_to_all` rows are skipped (the block cannot be called alone).
+- about 5.17-5.19: `DistributedConfig(tp_size=W, enable_expert_parallel=True)` (router masking +
+  all-reduce); no all-to-all token dispatch, so the all-to-all rows are skipped with that reason.
+- 5.0: no `tp_size` in DistributedConfig: every row skipped. 4.x: unavailable().
+5.23.0 (pinned in constraints.txt) is tested at world 2 and 4; 5.22.0 and 5.17.0 were run once at world 2
+(docs/libraries-transformers.md has what they gave).
 """
 
 from __future__ import annotations
