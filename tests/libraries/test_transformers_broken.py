@@ -1,0 +1,136 @@
+"""Broken transformers expert parallelism, made here by subclassing or wrapping transformers' own objects
+(never by editing installed files), must fail the adapter's row, in the right parameter groups.
+
+Each patch is applied in the test process before the ranks are forked, so it reaches every rank; pytest's
+monkeypatch undoes it afterwards."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+pytestmark = [
+    pytest.mark.multirank,
+    pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed"),
+]
+
+
+def _one(model: str, backend: str, mode: str, world_size: int = 2):
+    from libraries.hf_launch import row, run_rows
+
+    (result,) = run_rows([row(model, backend, mode, world_size)], world_size)
+    assert result.skipped is None
+    return result
+
+
+def _use_ep_implementation(monkeypatch, name: str, cls) -> None:
+    """What `EPImplementationInterface.register(name, cls)` does, undone after the test."""
+    from transformers.distributed.expert_parallel import EPImplementationInterface
+
+    monkeypatch.setitem(EPImplementationInterface._global_mapping, name, cls)
+
+
+def test_expert_gradients_times_world_size(monkeypatch):
+    """(a) Expert gradients summed over the data-parallel ranks instead of averaged: the all-to-all backward
+    already brings every rank's tokens' gradient to the expert's owner, and FSDP2 over the expert mesh
+    (efsdp, size 1 here) divides by 1, so transformers must divide by dp_size itself
+    (`set_gradient_divide_factor` in distributed/fsdp.py). Without it the experts train W times too fast.
+    Real instances of the class: NVIDIA/Megatron-LM#5956 (FSDP + EP expert gradients ep_size x too large),
+    deepspeedai/DeepSpeed#5259 (EP=2 expert gradients exactly 2x), databricks/megablocks#20."""
+    import transformers.distributed.mixin as mixin
+
+    original = mixin.apply_fully_sharded_data_parallelism
+
+    def without_divide_factor(model, mesh_manager, fsdp_plan, ep_plan):
+        model = original(model, mesh_manager, fsdp_plan, ep_plan)
+        for name, module in model.named_modules():
+            if ep_plan.get(name) == "ep_dispatch_experts":
+                module.set_gradient_divide_factor(1.0)
+        return model
+
+    monkeypatch.setattr(mixin, "apply_fully_sharded_data_parallelism", without_divide_factor)
+    result = _one("mixtral", "grouped_mm", "all_to_all")
+    assert not result.passed
+    grads = [c for c in result.failed if c.name.startswith("grad ")]
+    assert grads and all("experts." in c.name for c in grads), result.describe()
+    step0 = {c.name for c in result.comparisons if c.passed}
+    assert {"output", "input grad", "grad gate.weight"} <= step0  # only the experts' gradients are wrong
+    assert {c.diagnosis["name"] for c in grads} == {"uniform-scale"}
+    assert all(c.diagnosis["details"]["integer"] == 2 for c in grads), result.describe()
+    assert "experts" in result.failed_groups()
+
+
+def test_router_gradient_never_all_reduced(monkeypatch):
+    """(b) all_reduce mode: each rank backpropagates through its own experts only, so the routing weights'
+    gradient it computes covers only its experts' slots. transformers sums it over the group
+    (`_AllReduceBackward` on top_k_weights in AllReduceEP); without that the router gradient stays
+    rank-local. Real instances: huggingface/transformers#48205 ("each rank's score gradient covers only its
+    local experts' slots"), pytorch/torchtitan#2387 (router gradient never reduced under TP)."""
+    import torch
+    from transformers.distributed import expert_parallel as ep
+
+    class RouterGradientNeverReduced(ep.AllReduceEP):
+        def __call__(self, hidden_states, top_k_index, top_k_weights):
+            ep_group = self.ep_mesh.get_group()
+            hidden_states = ep._AllReduceBackward.apply(hidden_states, ep_group)
+            off_rank = (top_k_index // self.num_local_experts) != self.ep_mesh.get_local_rank()
+            local_index = torch.where(off_rank, self.num_local_experts, top_k_index % self.num_local_experts)
+            expert_output = self.experts_forward(hidden_states, local_index, top_k_weights.masked_fill(off_rank, 0.0))
+            return ep._AllReduceForward.apply(expert_output, ep_group)
+
+    _use_ep_implementation(monkeypatch, "all_reduce", RouterGradientNeverReduced)
+    result = _one("olmoe", "eager", "all_reduce")
+    assert not result.passed
+    assert "grad gate.weight" in {c.name for c in result.failed}, result.describe()
+    step0_passed = {c.name for c in result.comparisons if c.passed}
+    assert "output" in step0_passed  # the forward is right: only the backward misses the other ranks' slots
+    assert not [c for c in result.failed if c.name.startswith("grad experts.")]
+    assert {"gate/router", "input gradient"} <= result.failed_groups()
+    assert result.failed[0].name == "grad gate.weight"  # the root cause comes first, named by its class
+    assert result.failed[0].diagnosis["name"] == "rank-local-gradient", result.describe()
+
+
+def test_no_backward_all_to_all(monkeypatch):
+    """(c) The dispatch all-to-all carries no gradient back: the tokens a rank received are cut from the
+    graph, so the gradient through the experts never returns to the rank that holds the token. Outputs,
+    expert and router gradients stay right; the input gradient misses every expert path. Real instances:
+    pytorch/torchtitan#989 (all_to_all token shuffle without backward, "Enable backward"),
+    lucidrains/soft-moe-pytorch#4 (parameters on other ranks receive no gradient)."""
+    from transformers.distributed import expert_parallel as ep
+
+    class DispatchWithoutBackward(ep.AllToAllEP):
+        def _dispatch_tokens(self, hidden_states, top_k_index, top_k_weights):
+            tokens, expert_ids, weights, state = super()._dispatch_tokens(hidden_states, top_k_index, top_k_weights)
+            return tokens.detach(), expert_ids, weights, state
+
+    _use_ep_implementation(monkeypatch, "all_to_all", DispatchWithoutBackward)
+    result = _one("qwen3_moe", "eager", "all_to_all")
+    assert not result.passed
+    failed = {c.name for c in result.failed}
+    assert "input grad" in failed, result.describe()
+    passed = {c.name for c in result.comparisons if c.passed}
+    assert {"output", "grad gate.weight"} <= passed
+    assert not [n for n in failed if n.startswith("grad experts.")]
+    assert result.failed_groups() == {"input gradient"}
+    assert {c.diagnosis["name"] for c in result.failed} == {"missing-backward-exchange"}, result.describe()
+
+
+def test_scores_paired_with_the_wrong_experts(monkeypatch):
+    """(d) Each token's routing weights applied to the wrong one of its experts (the top-k slots swapped
+    between dispatch and combine). Real instances: xberg-io/xberg#1211 (DeepSeek MoE gate binds top-k
+    indices and weights the wrong way round), sgl-project/sglang#8125 (unsorted top-k: the score of one
+    expert used for another)."""
+    from transformers.distributed import expert_parallel as ep
+
+    class WeightsPairedWrong(ep.AllToAllEP):
+        def __call__(self, hidden_states, top_k_index, top_k_weights):
+            return super().__call__(hidden_states, top_k_index, top_k_weights.flip(-1))
+
+    _use_ep_implementation(monkeypatch, "all_to_all", WeightsPairedWrong)
+    result = _one("mixtral", "batched_mm", "all_to_all")
+    assert not result.passed
+    assert "output" in {c.name for c in result.failed}, result.describe()
+    assert {"output", "gate/router", "experts"} <= result.failed_groups()
+    assert result.failed[0].name == "output"
+    assert result.failed[0].diagnosis["name"] == "scores-paired-wrong", result.describe()
