@@ -280,21 +280,42 @@ def test_help_uses_the_width_it_has_and_cuts_no_sentence():
 # runs ----------------------------------------------------------------------------------------------
 
 
+_REAL_FASTMOE: list[Path] = []
+"""One real 2-rank fastmoe run per session, copied into each test's root (summaries pass their schema)."""
+
+
+def _real_fastmoe_run(root: Path) -> Path:
+    if not _REAL_FASTMOE:
+        template = Path(tempfile.mkdtemp(prefix="mb-runs-"))
+        proc = subprocess.run([sys.executable, "-m", "moebench", "run", "fastmoe", "--steps", "2", "-n", "2",
+                               "--results-dir", str(template)], capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+        assert proc.returncode == 0, proc.stderr
+        (run,) = (template / "fastmoe").iterdir()
+        _REAL_FASTMOE.append(run)
+    run = root / "fastmoe" / _REAL_FASTMOE[0].name
+    shutil.copytree(_REAL_FASTMOE[0], run)
+    return run
+
+
 def _fake_runs(root: Path) -> list[dict]:
-    """Three finished runs as their commands write them: a variant's, a parity run, an env-check."""
+    """Three finished runs as their commands write them: a variant's (a real one, its start, loss and
+    wall time set to known values), a parity run, an env-check."""
     from moebench import results
 
     made = []
-    run = results.RunDir.create("fastmoe", "quick", root=root)
-    run.write_json("config.json", {"kind": "fastmoe", "preset": "quick", "launch": {"world_size": 2}})
-    made.append(run.finish(results.STATUS_OK, {"started_at": "2026-11-20T10:00:00", "world_size": 2,
-                                                "loss": {"first": 2.0, "last": 1.234567, "drop_pct": 38.3},
-                                                "wall_time_s": 127.25}))
+    run = _real_fastmoe_run(root)
+    summary = json.loads((run / "summary.json").read_text())
+    summary.update({"started_at": "2026-11-20T10:00:00", "wall_time_s": 127.25})
+    summary["loss"]["last"] = 1.234567
+    (run / "summary.json").write_text(json.dumps(summary))
+    made.append(summary)
     run = results.RunDir.create("parity", root=root)
     made.append(run.finish(results.STATUS_INTERRUPTED, {"started_at": "2026-11-21T10:00:00", "world_size": 4,
                                                          "wall_time_s": 14.5}))
     run = results.RunDir.create("env", root=root)
-    made.append(run.finish(results.STATUS_OK, {"started_at": "2026-11-22T10:00:00", "wall_time_s": 3.25}))
+    made.append(run.finish(results.STATUS_OK, {"started_at": "2026-11-22T10:00:00", "wall_time_s": 3.25,
+                                                "counts": {"ok": 1, "warn": 0, "fail": 0, "skip": 0}, "exit_code": 0,
+                                                "strict": False, "report": "envcheck.json"}))
     return made
 
 

@@ -63,9 +63,9 @@ def test_a_missing_library_is_one_line_with_the_install_command(monkeypatch):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (("--library", "nosuchlib"), "unknown library nosuchlib"),
-    (("--library", " , "), "names no library"),
-    (("--library", "fairscale", "--checks", "ddp"), "drop --checks or --library"),
+    (("--library", "nosuchlib"), "unknown library 'nosuchlib'"),
+    (("--library", " , "), "--library: is empty"),
+    (("--library", "fairscale", "--checks", "ddp-sgd"), "drop --checks or --library"),
 ])
 def test_bad_library_flags_are_one_line_exit_2(args, needle):
     result = _invoke(*args)

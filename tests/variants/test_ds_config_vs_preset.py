@@ -47,7 +47,7 @@ def test_the_plan_line_says_the_batch_and_the_steps_that_run(tmp_path):
                                                                           ("engine", "ds_config"): cfg}))
     assert re.search(r"; batch 4 \(4 per rank\); 4 steps, epochs of 16 steps \(preset quick\)$", stopped)
     whole = variant.headline(variants.resolve_config(variant, "quick", {}))
-    assert whole.endswith("; batch 8 (8 per rank); 2 epoch(s) x 8 steps (preset quick)"), whole
+    assert whole.endswith("; batch 8 (8 per rank); 2 epochs x 8 steps (preset quick)"), whole
 
 
 def test_train_batch_size_against_the_runs_batch_names_both_and_creates_nothing(tmp_path):
