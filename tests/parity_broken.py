@@ -403,3 +403,18 @@ def gate_rank_local_sync(model):
     for n, p in model.named_parameters():
         if n in kept:
             p.grad.copy_(kept[n])
+
+
+class UnroutedSlotsRouterGradMoE(_fmoe()):
+    """The router gradient collects gradient from slots this rank never routed: each slot whose expert
+    lives on another rank also runs here through this rank's LAST local expert (transformers' sentinel
+    slot, clamped in-bounds by its batched_mm experts) with its score zeroed in the forward only (a
+    straight-through zero: the value is 0, the gradient of the score passes). Outputs, the experts' and
+    the input's expert-path gradients stay right; the gate gets <output grad, that expert's output>."""
+
+    def moe_forward(self, x, topk_idx, topk_score):
+        y = super().moe_forward(x, topk_idx, topk_score)
+        rank = dist.get_rank(self.group) if self.world_size > 1 else 0
+        off_rank = (topk_idx // self.num_expert) != rank
+        zero_in_forward_only = (topk_score - topk_score.detach()) * off_rank
+        return y + zero_in_forward_only.sum(dim=-1, keepdim=True) * self.experts[-1](x)

@@ -351,6 +351,11 @@ NO_BACKWARD_EXCHANGE = ("missing backward exchange", "an all-to-all with no back
                         "the experts never returns to the rank holding the token (input gradient through "
                         "the router only)")
 
+UNROUTED_SLOTS = "router gradient from unrouted slots"
+"""all_reduce mode: a rank's routes to other ranks' experts (sentinel slots) run through its last local expert
+(batched_mm clamps the sentinel id in-bounds) weighted by a zero that hides them in the forward only
+(huggingface/transformers#48687); the entry's description comes from moebench.parity.diagnose.unrouted_slots."""
+
 SWAPPED_SCORES = ("scores paired wrong", "routing weights paired with the wrong experts: each token's top-k "
                   "weights applied to its selected experts in the wrong order")
 
@@ -359,6 +364,8 @@ def _wrong_references(ref, row: Row, rank: int, x_all, t_all) -> dict[str, tuple
     """label -> (input gradient, {parameter: gradient}) of the one-process block made wrong on purpose,
     on copies of it (the reference itself is untouched)."""
     import copy
+
+    import torch
 
     out: dict[str, tuple[Any, dict[str, Any]]] = {}
 
@@ -386,6 +393,21 @@ def _wrong_references(ref, row: Row, rank: int, x_all, t_all) -> dict[str, tuple
 
         local.gate.register_forward_hook(routes_local_only)
         run(local, RANK_LOCAL[0])
+        leaky = copy.deepcopy(ref)
+
+        def sentinel_slots_in_router_grad(module, args, output):
+            hidden, index, weights = args[:3]
+            if weights.shape != index.shape:
+                return output
+            for other in range(row.world_size):  # each rank's sentinel slots, summed by the backward all-reduce
+                off_rank = (index // per_rank) != other
+                last = torch.full_like(index[:, :1], (other + 1) * per_rank - 1)
+                clamped = module.forward(hidden.detach(), last, torch.ones_like(weights[:, :1])).detach()
+                output = output + ((weights - weights.detach()) * off_rank).sum(-1, keepdim=True) * clamped
+            return output
+
+        leaky.experts.register_forward_hook(sentinel_slots_in_router_grad)
+        run(leaky, UNROUTED_SLOTS)
     return out
 
 
@@ -394,6 +416,7 @@ def _run(ctx, row: Row, opts) -> list:
     import torch.distributed as dist
 
     from moebench.parity.compare import SEED_ALLCLOSE_DEFAULT, STRICT, assertion, compare, pick
+    from moebench.parity.diagnose import unrouted_slots
 
     tol, asserted = pick(opts.tolerance, strict=STRICT, seed=SEED_ALLCLOSE_DEFAULT)
     r, w = ctx.rank, ctx.world_size
@@ -435,7 +458,9 @@ def _run(ctx, row: Row, opts) -> list:
         ref_curve.append(float(ref_loss.detach()))
         if step == 0:
             wrong = _wrong_references(ref, row, r, x_all, t_all)
-            described = dict((NO_BACKWARD_EXCHANGE, RANK_LOCAL, SWAPPED_SCORES))
+            described: dict[str, Any] = dict((NO_BACKWARD_EXCHANGE, RANK_LOCAL, SWAPPED_SCORES))
+            described[UNROUTED_SLOTS] = unrouted_slots(None, "the last local expert: batched_mm clamps the "
+                                                       "sentinel id in-bounds")[1:]
 
             def alternatives(param: str | None, scale: float = 1.0) -> dict[str, Any]:
                 found = {}
@@ -443,7 +468,8 @@ def _run(ctx, row: Row, opts) -> list:
                     t = input_grad[rows] * scale if param is None else grads.get(param)
                     t = t[rows] if param == OUTPUT and t is not None else t
                     if t is not None:
-                        found[label] = (t, described[label])
+                        entry = described[label]  # a description, or (what, diagnosis name, cause)
+                        found[label] = (t, *entry) if isinstance(entry, tuple) else (t, entry)
                 return found
 
             cmp("output", y.detach(), yr.detach()[rows], alternatives=alternatives(OUTPUT))

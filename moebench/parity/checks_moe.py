@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from moebench.parity.compare import SEED_ALLCLOSE_DEFAULT, STRICT, compare, pick
-from moebench.parity.diagnose import no_backward_exchange, rank_local
+from moebench.parity.diagnose import no_backward_exchange, rank_local, unrouted_slots
 from moebench.parity.registry import Check, CheckOptions, SkipCheck, impl_or_default, register
 
 D_MODEL = 8
@@ -71,6 +71,31 @@ def _input_grad(params: dict, x: torch.Tensor, weights: torch.Tensor, experts: i
     x = x.detach().clone().requires_grad_(True)
     loss = (dense_reference(params, x, experts, TOP_K, detached) * weights).mean()
     return torch.autograd.grad(loss, x)[0]
+
+
+def _unrouted_slot_grads(params: dict, x_all: torch.Tensor, weights: torch.Tensor, experts: int,
+                         world_size: int) -> tuple[torch.Tensor, dict]:
+    """(input gradient, {parameter: gradient}) of the global mean loss when each rank's router also
+    collects gradient from its tokens' slots whose expert lives on another rank: such a slot runs through
+    the rank's last local expert (a sentinel clamped in-bounds) with a score that is zero in the forward
+    only. The output is unchanged; the gate gets <output grad, that expert's output> for those slots."""
+    x = x_all.detach().clone().requires_grad_(True)
+    logits = F.linear(x, params["gate.gate.weight"], params.get("gate.gate.bias"))
+    top_val, top_idx = logits.topk(TOP_K, dim=-1)
+    score = top_val.softmax(dim=-1)
+    home = torch.arange(x.shape[0]) // TOKENS_PER_RANK
+    off_rank = (top_idx // EXPERTS_PER_RANK) != home[:, None]
+    sentinel = {r: r * EXPERTS_PER_RANK + EXPERTS_PER_RANK - 1 for r in range(world_size)}
+    h = {e: F.gelu(F.linear(x, params[f"experts.{e}.htoh4.weight"][0], params[f"experts.{e}.htoh4.bias"][0]))
+         for e in sentinel.values()}
+    out = {e: F.linear(h[e], params[f"experts.{e}.h4toh.weight"][0], params[f"experts.{e}.h4toh.bias"][0]).detach()
+           for e in h}
+    leaked = torch.stack([out[sentinel[int(r)]][i] for i, r in enumerate(home)])
+    zero_in_forward_only = ((score - score.detach()) * off_rank).sum(-1, keepdim=True)
+    y = dense_reference(params, x, experts, TOP_K) + zero_in_forward_only * leaked
+    names = list(params)
+    grads = torch.autograd.grad((y * weights).mean(), [x] + [params[n] for n in names], allow_unused=True)
+    return grads[0], {n: torch.zeros_like(params[n]) if g is None else g for n, g in zip(names, grads[1:])}
 
 
 def _rank_loss_grads(params: dict, x: torch.Tensor, weights: torch.Tensor, experts: int) -> dict:
@@ -142,6 +167,8 @@ def _rank(ctx, opts: CheckOptions) -> list:
             _input_grad(single_params, x_all[rows], weights[rows], experts, frozenset(range(experts))),
             _input_grad(single_params, x_all[rows], weights[rows], experts, frozenset(range(experts)) - set(own)))
         alone = _rank_loss_grads(single_params, x_all[rows], weights[rows], experts)
+        leak_input, leak = _unrouted_slot_grads(single_params, x_all, weights, experts, w)
+        wrong_input["unrouted slots"] = unrouted_slots(leak_input[rows] * w, "the rank's last local expert")
         # A token's output depends on no other token: its input gradient is d(rank mean)/dx,
         # W times d(global mean)/dx.
         results.append(compare(f"{prefix}: input grad", x.grad, big_x.grad[rows] * w, tol, asserted=asserted,
@@ -150,8 +177,11 @@ def _rank(ctx, opts: CheckOptions) -> list:
             ref_name = _global_expert_key(name, r, EXPERTS_PER_RANK) if name.startswith("experts.") else name
             q = single_params[ref_name]
             got = p.grad if p.grad is not None else torch.zeros_like(p)
+            wrong = {"rank-local": rank_local(alone[ref_name])}
+            if name.startswith("gate."):  # the experts' gradients are the same with or without the leak
+                wrong["unrouted slots"] = unrouted_slots(leak[ref_name], "the rank's last local expert")
             results.append(compare(f"{prefix}: {name} grad (global {ref_name})", got, q.grad, tol,
-                                   asserted=asserted, alternatives={"rank-local": rank_local(alone[ref_name])}))
+                                   asserted=asserted, alternatives=wrong))
         with torch.no_grad():
             for p in list(local.parameters()) + list(holder.parameters()):
                 if p.grad is not None:

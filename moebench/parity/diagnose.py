@@ -14,7 +14,9 @@ that failed. Detectors, in order (the first that explains the numbers wins):
   `no_backward_exchange(...)` (MISSING_BACKWARD_EXCHANGE: the all-to-all's backward sends nothing
   back, or only the rank's own slots, so the expert path adds nothing to tokens whose experts live
   elsewhere); `mispaired_scores(...)` (SCORES_MISPAIRED: each token's routing scores applied to
-  its experts in the wrong order).
+  its experts in the wrong order); `unrouted_slots(...)` (UNROUTED_SLOTS: the router gradient
+  collects gradient from slots the rank never routed - sent to another rank's expert or dropped -
+  whose zero routing weight hides them in the forward but not in the backward).
 - uniform-scale: actual = c * expected everywhere (c fitted by least squares). When c or 1/c is an
   integer N >= 2 (within SCALE_INTEGER_RTOL): "summed instead of averaged over N ranks" / "averaged twice".
 - rows-permuted: along some dim, every slice of actual equals some slice of expected, in another order.
@@ -55,6 +57,7 @@ MAX_NAMED = 8
 RANK_LOCAL = "rank-local"
 MISSING_BACKWARD_EXCHANGE = "missing-backward-exchange"
 SCORES_MISPAIRED = "scores-mispaired"
+UNROUTED_SLOTS = "unrouted-slots"
 
 GROUPS = ("output", "input gradient", "gate/router", "experts", "replicated")
 
@@ -199,6 +202,19 @@ def mispaired_scores(output: Any) -> tuple[Any, str, str, str]:
     return (output, "each token's routing scores applied to its experts in the wrong order", SCORES_MISPAIRED,
             "the scores lost their pairing with the experts (check where scores are permuted, sorted or "
             "gathered alongside the expert indices)")
+
+
+def unrouted_slots(grad: Any, where: str = "") -> tuple[Any, str, str, str]:
+    """The `alternatives` entry for a router gradient with contributions from slots the rank never
+    routed: `grad` is the gradient when every slot whose expert is not this rank's (sent elsewhere, or
+    dropped) still runs through some expert here and is weighted by a score that is zero in the
+    forward only, so d(loss)/d(score) = <output gradient, that expert's output> reaches the router.
+    `where` names the expert such a slot runs through (e.g. "the last local expert")."""
+    return (grad, "a router that also collects gradient from slots this rank never routed", UNROUTED_SLOTS,
+            "slots routed to another rank's expert (or dropped) keep a non-zero expert output"
+            + (f" ({where})" if where else "") + "; their zero routing weight hides it in the forward "
+            "but not in the backward (mask the routing weights at those slots with an op whose backward "
+            "zeros them too)")
 
 
 def _slices(a: torch.Tensor, e: torch.Tensor, atol: float, rtol: float) -> dict[str, Any] | None:

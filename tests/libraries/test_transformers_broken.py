@@ -134,3 +134,36 @@ def test_scores_paired_with_the_wrong_experts(monkeypatch):
     assert {"output", "gate/router", "experts"} <= result.failed_groups()
     assert result.failed[0].name == "output"
     assert result.failed[0].diagnosis["name"] == "scores-paired-wrong", result.describe()
+
+
+def test_router_gradient_from_slots_never_routed(monkeypatch):
+    """(e) all_reduce mode with the batched_mm experts: the routes to other ranks' experts (sentinel slots) run
+    through this rank's last local expert (batched_mm clamps the sentinel in-bounds) and their routing weight is
+    zeroed in the forward only, so each rank's router collects <output grad, that expert's output> for slots it
+    never routed, and the all-reduce adds them up. transformers 5.23 cuts that gradient twice (AllReduceEP's
+    masked_fill, batched_mm's sentinel mask); this subclass clamps the index itself (so batched_mm sees no
+    sentinel) and zeroes the weights straight-through. Real instance: huggingface/transformers#48687 ("the
+    sentinel slots keep a non-zero expert output, and the zero routing weight hides that in the forward but not in
+    the backward, so the router collects gradient for slots the rank never routed"), fixed by #48689."""
+    import torch
+    from transformers.distributed import expert_parallel as ep
+
+    class SentinelSlotsInRouterGradient(ep.AllReduceEP):
+        def __call__(self, hidden_states, top_k_index, top_k_weights):
+            ep_group = self.ep_mesh.get_group()
+            hidden_states = ep._AllReduceBackward.apply(hidden_states, ep_group)
+            top_k_weights = ep._AllReduceBackward.apply(top_k_weights, ep_group)
+            off_rank = (top_k_index // self.num_local_experts) != self.ep_mesh.get_local_rank()
+            clamped = torch.where(off_rank, self.num_local_experts - 1, top_k_index % self.num_local_experts)
+            zeroed_in_forward_only = top_k_weights - (top_k_weights * off_rank).detach()
+            expert_output = self.experts_forward(hidden_states, clamped, zeroed_in_forward_only)
+            return ep._AllReduceForward.apply(expert_output, ep_group)
+
+    _use_ep_implementation(monkeypatch, "all_reduce", SentinelSlotsInRouterGradient)
+    result = _one("olmoe", "batched_mm", "all_reduce")
+    assert not result.passed
+    assert "output" in {c.name for c in result.comparisons if c.passed}  # the forward is right
+    assert not [c for c in result.failed if c.name.startswith("grad experts.")]
+    assert "gate/router" in result.failed_groups()
+    assert result.failed[0].name == "grad gate.weight", result.describe()
+    assert result.failed[0].diagnosis["name"] == "unrouted-slots", result.describe()

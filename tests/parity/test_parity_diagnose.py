@@ -284,3 +284,22 @@ def test_all_to_all_without_backward_exchange_is_named(impl):
     d = record["diagnosis"]
     assert d["name"] == "missing-backward-exchange" and "input gradient" in d["details"]["wrong"]
     assert {"output", "gate/router"} <= set(d["details"]["right"])
+
+
+@pytest.mark.multirank
+def test_router_gradient_from_slots_never_routed_is_named():
+    """A router gradient with contributions from slots the rank never routed: the slots whose expert lives on
+    another rank run through this rank's last local expert with a score that is zero in the forward only, so
+    the gate collects <output grad, that expert's output> for them. The mechanism of
+    huggingface/transformers#48687 (batched_mm experts under expert parallelism: "the sentinel slots keep a
+    non-zero expert output, and the zero routing weight hides that in the forward but not in the backward",
+    fixed by huggingface/transformers#48689)."""
+    from moebench.parity.diagnose import UNROUTED_SLOTS
+
+    record, failed = _record("moe-expert-parallel", "moe", "UnroutedSlotsRouterGradMoE")
+    gates = [c for c in failed if c["name"].split(": ")[1].startswith("gate.") and "grad" in c["name"]]
+    assert gates and all(c["diagnosis"]["name"] == UNROUTED_SLOTS for c in gates), failed
+    assert not [c for c in failed if c["name"].split(": ")[1].startswith("experts.") and "grad" in c["name"]]
+    d = record["diagnosis"]
+    assert d["name"] == UNROUTED_SLOTS and "gate/router" in d["details"]["wrong"], d
+    assert "output" in d["details"]["right"]
