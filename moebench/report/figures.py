@@ -224,6 +224,14 @@ def plot_parity(checks: list[dict], path: Path, *, title: str) -> Path | None:
     return save_figure(fig, path)
 
 
+def plot_library(rows: list[dict], checks: list[dict], path: Path, *, title: str) -> Path | None:
+    """Per conformance row (its check, by name): the largest difference over its tolerance, coloured
+    by the row's verdict (rows without a comparison, e.g. skipped ones, are not drawn)."""
+    by_name = {c["name"]: c for c in checks}
+    return plot_parity([{**by_name[r["check"]], "status": r["verdict"]} for r in rows if r.get("check") in by_name],
+                       path, title=title)
+
+
 def plot_overlay(runs: list[tuple[str, list[dict]]], path: Path, *, title: str) -> Path | None:
     """Loss curves of several runs of one kind on one axis."""
     runs = [(label, metrics) for label, metrics in runs if metrics]
