@@ -331,11 +331,11 @@ def _library_blocks(run: collect.Run | None, out: Path) -> list[Block]:
                                      "largest diff / tolerance", "diagnosis"),
                             rows=tuple(cells), classes=tuple(r["verdict"] for r in rows)))
     png = figures.plot_library(rows, list(checks.values()), out / "library.png",
-                               title=f"verify-parity --library {names}: largest difference over its tolerance")
+                               title=f"verify-parity --library {names}: largest difference / tolerance per row")
     if png:
         blocks.append(Figure(png, "Per row (library/model/backend/EP mode/world size), the largest |difference| "
-                                  "over its allowed difference (log scale): blue rows passed, red ones did not; a "
-                                  "row passes below 1. Skipped rows compared nothing and are not drawn."))
+                                  "over its allowed difference (log scale), coloured by verdict: blue passed, red "
+                                  "failed; a row passes below 1. Skipped rows compared nothing and are not drawn."))
     return blocks
 
 
