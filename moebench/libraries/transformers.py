@@ -30,7 +30,7 @@ Release differences (the adapter reads the installed DistributedConfig's fields,
   all-reduce); no all-to-all token dispatch, so the all-to-all rows are skipped with that reason.
 - 5.0: no `tp_size` in DistributedConfig: every row skipped. 4.x: unavailable().
 5.23.0 (pinned in constraints.txt) is tested at world 2 and 4; 5.22.0 and 5.17.0 were run once at world 2
-(docs/libraries-transformers.md has what they gave).
+(docs/libraries.md, "transformers releases", has what they gave).
 """
 
 from __future__ import annotations

@@ -43,6 +43,8 @@ class ReportResult:
     damaged: dict[str, collect.Run] = dataclasses.field(default_factory=dict)
     """Per kind (env, fastmoe, deepspeed, parity, bench), the damaged run the report would have
     read: its claims or section are not judged, and the report says so."""
+    library: collect.Run | None = None
+    """The `verify-parity --library` run shown in its own section (never the parity verdict's run)."""
 
 
 def chapter_config(kind: str) -> dict:
@@ -301,6 +303,42 @@ def _parity_blocks(run: collect.Run | None, out: Path) -> list[Block]:
     return blocks
 
 
+def _library_blocks(run: collect.Run | None, out: Path) -> list[Block]:
+    """The latest `verify-parity --library` run: its conformance table and a figure (its own section:
+    the chapter's parity verdict stays the whole suite's)."""
+    if run is None:
+        return []
+    summary = run.summary
+    rows = summary.get("rows") or []
+    names = ", ".join(dict.fromkeys(r["library"] for r in rows)) or "no row"
+    counts = {v: sum(r["verdict"] == v for r in rows) for v in ("pass", "fail", "skip")}
+    blocks: list[Block] = [Heading("Library conformance (verify-parity --library)"), Para(
+        f"verify-parity --library {run.run_id} ({names}): status {run.status}"
+        + ("" if run.ok else f" ({run.not_ok_reason()})") + f", {summary.get('comm_backend')}, tolerance "
+        f"{summary.get('tolerance')}; {len(rows)} row(s): {counts['pass']} pass, {counts['fail']} fail, "
+        f"{counts['skip']} skip. Each row is one library version x model x expert backend x EP mode x world "
+        "size, compared with the same block on one process with identical weights (docs/libraries.md). "
+        "It does not judge the chapter's parity claim, which comes from the latest whole-suite run.")]
+    checks = {c["name"]: c for c in summary.get("checks") or []}
+    cells = []
+    for r in rows:
+        ratio = figures.check_ratio(checks.get(r.get("check"), {}))
+        cells.append((r["library"], r["version"], r["model"], r["backend"], r["ep_mode"], str(r["world_size"]),
+                      r["verdict"], "—" if ratio is None else "exact" if ratio == 0 else f"{ratio:.2e}",
+                      r.get("diagnosis") or ""))
+    if cells:
+        blocks.append(Table(headers=("library", "version", "model", "backend", "EP mode", "world", "verdict",
+                                     "largest diff / tolerance", "diagnosis"),
+                            rows=tuple(cells), classes=tuple(r["verdict"] for r in rows)))
+    png = figures.plot_library(rows, list(checks.values()), out / "library.png",
+                               title=f"verify-parity --library {names}: largest difference / tolerance per row")
+    if png:
+        blocks.append(Figure(png, "Per row (library/model/backend/EP mode/world size), the largest |difference| "
+                                  "over its allowed difference (log scale), coloured by verdict: blue passed, red "
+                                  "failed; a row passes below 1. Skipped rows compared nothing and are not drawn."))
+    return blocks
+
+
 def _comparison_blocks(chosen: dict[str, list[collect.Run]], out: Path) -> list[Block]:
     blocks: list[Block] = []
     for kind in collect.VARIANT_KINDS:
@@ -441,9 +479,13 @@ def build_report(paths: list[str], *, root: str | None = None, since: str | None
         raise UserError(f"{root_path} does not exist; point it at a results folder (default ./results)",
                         flag="--results-dir")
     prefer = {kind: is_chapter_run(kind) for kind in collect.VARIANT_KINDS}
+    prefer["parity"] = lambda run: not collect.is_library_run(run)  # a --library run has its own section
     chosen = collect.select(paths, root_path, since_time, prefer)
+    library = _library_run(chosen["parity"], paths, root_path, since_time)
+    chosen["parity"] = [r for r in chosen["parity"] if not collect.is_library_run(r)]
     run_dir = results.RunDir.create("report", root=root)
-    run_dir.start({"inputs": [str(r.path) for kind in collect.KINDS for r in chosen[kind]]})
+    run_dir.start({"inputs": [str(r.path) for kind in collect.KINDS for r in chosen[kind]]
+                   + ([str(library.path)] if library else [])})
     out = run_dir.path
     try:
         primary = {kind: _primary(kind, chosen[kind], prefer.get(kind)) for kind in collect.KINDS}
@@ -451,6 +493,8 @@ def build_report(paths: list[str], *, root: str | None = None, since: str | None
                 for row in variant_rows(kind, primary[kind], _missing(kind, paths, since_time, root_path))]
         rows.append(parity_row(primary["parity"], _missing("parity", paths, since_time, root_path)))
         counts = {v: sum(r["verdict"] == v for r in rows) for v in (REPRODUCED, DIFFERS, NOT_RUN)}
+        listed = [(kind, r) for kind in collect.KINDS for r in chosen[kind]] + ([("library", library)] if library
+                                                                                else [])
 
         blocks: list[Block] = [
             Heading("moebench report: did chapter 6 reproduce?", 1),
@@ -458,8 +502,8 @@ def build_report(paths: list[str], *, root: str | None = None, since: str | None
                  f"{datetime.datetime.now().isoformat(timespec='seconds')} from results files only."),
             Table(headers=("kind", "run", "status", "folder"),
                   rows=tuple((kind, r.run_id, r.error if r.damage else r.status, str(r.path))
-                             for kind in collect.KINDS for r in chosen[kind]),
-                  classes=tuple(r.status for kind in collect.KINDS for r in chosen[kind])),
+                             for kind, r in listed),
+                  classes=tuple(r.status for _, r in listed)),
             Heading("Verdicts"),
             Para(f"{counts[REPRODUCED]} reproduced, {counts[DIFFERS]} differ, {counts[NOT_RUN]} not run. "
                  "Tolerances are fixed in moebench/published.py, each with its reason; a claim outside its "
@@ -474,6 +518,8 @@ def build_report(paths: list[str], *, root: str | None = None, since: str | None
         blocks += _expert_blocks(chosen, out)
         signals.check()
         blocks += _parity_blocks(primary["parity"], out)
+        signals.check()
+        blocks += _library_blocks(library, out)
         signals.check()
         blocks += _comparison_blocks(chosen, out)
         signals.check()
@@ -497,7 +543,16 @@ def build_report(paths: list[str], *, root: str | None = None, since: str | None
         if isinstance(exc, KeyboardInterrupt) and not isinstance(exc, Interrupted):
             raise Interrupted(out) from exc  # the CLI names the folder it marked
         raise
-    return ReportResult(path=out, rows=rows, counts=counts, runs=chosen, primary=primary, damaged=damaged)
+    return ReportResult(path=out, rows=rows, counts=counts, runs=chosen, primary=primary, damaged=damaged,
+                        library=library)
+
+
+def _library_run(runs: list[collect.Run], paths: list[str], root: Path, since) -> collect.Run | None:
+    """The `verify-parity --library` run to show: the first among the given folders, else the latest."""
+    if paths:
+        return next((r for r in runs if collect.is_library_run(r)), None)
+    run = collect.latest(root, "parity", since, prefer=collect.is_library_run)
+    return run if run is not None and collect.is_library_run(run) else None
 
 
 def _primary(kind: str, runs: list[collect.Run], prefer: Callable[[collect.Run], bool] | None):

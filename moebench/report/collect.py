@@ -59,6 +59,12 @@ class Run:
         return f"run {self.run_id} {what}" + (f": {self.error.strip().splitlines()[-1]}" if self.error else "")
 
 
+def is_library_run(run: Run) -> bool:
+    """A `verify-parity --library` run: its summary has conformance "rows" (its checks are library
+    rows, so it is not the whole suite the chapter's parity verdict is judged on)."""
+    return run.kind == "parity" and "rows" in run.summary
+
+
 def load_run(path: Path) -> Run:
     """One run folder, every file read back through its schema (results.read_run): a damaged
     file makes the run "damaged", with none of its files used."""

@@ -224,6 +224,37 @@ def plot_parity(checks: list[dict], path: Path, *, title: str) -> Path | None:
     return save_figure(fig, path)
 
 
+def plot_library(rows: list[dict], checks: list[dict], path: Path, *, title: str) -> Path | None:
+    """Per conformance row (its check, by name): the largest difference over its tolerance, log scale,
+    coloured by the row's verdict (rows without a comparison, e.g. skipped ones, are not drawn)."""
+    by_name = {c["name"]: c for c in checks}
+    drawn = [(r["check"], check_ratio(by_name[r["check"]]), r["verdict"]) for r in rows if r.get("check") in by_name]
+    drawn = [d for d in drawn if d[1] is not None]
+    if not drawn:
+        return None
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(11, 0.3 * len(drawn) + 1.6))
+    values = [max(r, TOLERANCE_FLOOR) if math.isfinite(r) else 1e3 for _, r, _ in drawn]
+    colors = [COLORS["measured"] if verdict == "pass" else COLORS["chapter"] for _, _, verdict in drawn]
+    ax.barh(range(len(drawn)), values, color=colors, left=TOLERANCE_FLOOR / 10)
+    for y, (_, ratio, verdict) in enumerate(drawn):
+        text = "exact (0)" if ratio == 0 else "not finite" if not math.isfinite(ratio) else f"{ratio:.1e}"
+        ax.text(max(ratio, TOLERANCE_FLOOR) if math.isfinite(ratio) else 1e3, y, f" {text} {verdict}", va="center",
+                fontsize=8)
+    from matplotlib.patches import Patch
+
+    line = ax.axvline(1.0, color=COLORS["chapter"], ls="--", lw=1, label="tolerance")
+    ax.legend(handles=[line, Patch(color=COLORS["measured"], label="pass"),
+                       Patch(color=COLORS["chapter"], label="fail")], fontsize=8, loc="lower right")
+    ax.set_yticks(range(len(drawn)), [name for name, _, _ in drawn], fontsize=8)
+    ax.set_ylim(len(drawn) - 0.5, -0.5)
+    ax.set_xscale("log")
+    ax.set_xlim(TOLERANCE_FLOOR / 10, 1e6)  # room for a failing row's label
+    ax.set_xlabel("largest |difference| / tolerance (log scale; below 1 passes)")
+    ax.set_title(title, fontsize=10)
+    return save_figure(fig, path)
+
+
 def plot_overlay(runs: list[tuple[str, list[dict]]], path: Path, *, title: str) -> Path | None:
     """Loss curves of several runs of one kind on one axis."""
     runs = [(label, metrics) for label, metrics in runs if metrics]

@@ -1,0 +1,120 @@
+"""`moebench report` shows the latest `verify-parity --library` run in a section of its own (issue 16:
+"a section in moebench report (table plus figure)"), built from real small runs: a parity run of two
+built-in checks, then a newer `--library fairscale` run at world size 2. The library run never replaces
+the run the chapter's parity verdict is judged on."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moebench.report import build
+
+MOEBENCH = [sys.executable, "-m", "moebench"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+HEADING = "## Library conformance (verify-parity --library)"
+
+pytest.importorskip("fairscale")
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*MOEBENCH, *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    """A two-check parity run, then a newer fairscale run (about 10 s together)."""
+    root = tmp_path_factory.mktemp("library") / "results"
+    for args in (["verify-parity", "-n", "2", "--checks", "ddp-sgd"],
+                 ["verify-parity", "--library", "fairscale", "--world-size", "2"]):
+        out = _cli(*args, "--results-dir", str(root))
+        assert out.returncode == 0, out.stderr
+    return root
+
+
+@pytest.fixture
+def root(source, tmp_path) -> Path:
+    copy = tmp_path / "results"
+    shutil.copytree(source, copy)
+    return copy
+
+
+def _runs(root: Path) -> tuple[Path, Path]:
+    """(the built-in checks' run, the library run)."""
+    runs = sorted((root / "parity").iterdir())
+    library = [r for r in runs if "rows" in json.loads((r / "summary.json").read_text())]
+    assert len(runs) == 2 and len(library) == 1
+    return next(r for r in runs if r not in library), library[0]
+
+
+def _parity_row(result) -> dict:
+    return next(r for r in result.rows if r["variant"] == "parity")
+
+
+def test_a_library_run_does_not_replace_the_parity_verdicts_run(root):
+    suite, library = _runs(root)
+    result = build.build_report([], root=str(root))
+    assert result.primary["parity"].path == suite and _parity_row(result)["run_id"] == suite.name
+    assert "ran 1 of" in _parity_row(result)["reason"]  # judged on the suite run's own merits
+    assert result.library.path == library
+    # given as RUN folders, in either order: the same split
+    for paths in ([str(suite), str(library)], [str(library), str(suite)]):
+        given = build.build_report(paths, root=str(root))
+        assert given.primary["parity"].path == suite and given.library.path == library
+
+
+def test_only_a_library_run_leaves_parity_not_run(root):
+    suite, library = _runs(root)
+    shutil.rmtree(suite)
+    result = build.build_report([], root=str(root))
+    row = _parity_row(result)
+    assert result.primary["parity"] is None and row["verdict"] == "not run" and "no parity run" in row["reason"]
+    assert result.library.path == library
+    assert HEADING in (result.path / "REPORT.md").read_text()
+
+
+def test_the_section_has_the_conformance_table_and_a_figure(root):
+    _, library = _runs(root)
+    summary = json.loads((library / "summary.json").read_text())
+    result = build.build_report([], root=str(root))
+    md = (result.path / "REPORT.md").read_text()
+    section = md[md.index(HEADING):]
+    assert library.name in section
+    assert ("| library | version | model | backend | EP mode | world | verdict | largest diff / tolerance "
+            "| diagnosis |") in section
+    for row in summary["rows"]:  # every row, with the values of summary.json
+        assert (f"| {row['library']} | {row['version']} | {row['model']} | {row['backend']} | {row['ep_mode']} "
+                f"| {row['world_size']} | {row['verdict']} |") in section
+    png = result.path / "library.png"
+    assert png.read_bytes()[:8] == PNG_MAGIC and "library.png" in section
+    assert "library.png" in json.loads((result.path / "summary.json").read_text())["figures"]
+    assert 'class="fail"' not in (result.path / "report.html").read_text().split("Library conformance")[1]
+
+
+def test_a_failed_row_shows_its_verdict_and_diagnosis(root):
+    _, library = _runs(root)
+    data = json.loads((library / "summary.json").read_text())
+    data["rows"][0] = {**data["rows"][0], "verdict": "fail",
+                       "diagnosis": "rank-local: gate/router wrong; grad gate.wg.weight never all-reduced",
+                       "diagnosis_name": "rank-local"}
+    (library / "summary.json").write_text(json.dumps(data))
+    result = build.build_report([], root=str(root))
+    md = (result.path / "REPORT.md").read_text()
+    assert "| fail |" in md[md.index(HEADING):]
+    assert "grad gate.wg.weight never all-reduced |" in md
+    assert 'class="fail"' in (result.path / "report.html").read_text().split("Library conformance")[1]
+
+
+def test_the_console_names_the_library_run_apart_from_parity(root):
+    suite, library = _runs(root)
+    rows = json.loads((library / "summary.json").read_text())["rows"]
+    out = _cli("report", "--results-dir", str(root))
+    assert out.returncode == 0, out.stderr
+    assert f"parity     {suite.name} (ok)" in out.stdout
+    line = f"library    {library.name} (ok): {len(rows)} rows, {len(rows)} pass, 0 fail, 0 skip"
+    assert line in out.stdout.splitlines() and len(line) <= 80
