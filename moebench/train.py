@@ -226,7 +226,7 @@ def execute_run(
     """
     writer = not under_torchrun() or int(os.environ["RANK"]) == 0
     with sigterm_as_interrupt():  # SIGTERM is recorded like Ctrl-C: "interrupted", ranks killed
-        with signals_deferred():  # a signal now lands after the folder says "running", inside outcome_recorded
+        with signals.held():  # a signal now lands after the folder says "running", inside outcome_recorded
             run = results.RunDir.create(kind, name, results_root) if writer else None
             if run is not None:
                 run.start()
@@ -306,22 +306,6 @@ def record_end(run: results.RunDir | None, status: str, error: str) -> str:
     except OSError as exc:
         return f"could not record status {status!r} in {run.path / 'summary.json'}: {exc.strerror or exc}"
     return ""
-
-
-@contextlib.contextmanager
-def signals_deferred():
-    """Hold SIGINT / SIGTERM for the few lines inside (main thread): they are delivered on exit."""
-    import signal
-
-    try:
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    except (AttributeError, ValueError, OSError):  # no pthread_sigmask on this platform
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _run_ranks(rank_fn, world_size, run_path, rank_args, backend, timeout_s, kind, in_process) -> dict:

@@ -61,12 +61,12 @@ def check_preset(preset: str) -> None:
 
 def run_bench(spec: BenchSpec, results_dir, *, name: str, log: Callable[[str], None] | None = None) -> dict:
     """Measure `spec` into a new results/bench/<id>/; returns the final summary."""
-    from moebench import results
+    from moebench import results, signals
     from moebench.distributed.launch import sigterm_as_interrupt
-    from moebench.train import default_env_summary, machine_watched, outcome_recorded, signals_deferred
+    from moebench.train import default_env_summary, machine_watched, outcome_recorded
 
     with sigterm_as_interrupt():
-        with signals_deferred():
+        with signals.held():
             run = results.RunDir.create("bench", name, results_dir)
             run.start()
         with outcome_recorded(run):
