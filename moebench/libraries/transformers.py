@@ -415,6 +415,7 @@ def _run(ctx, row: Row, opts) -> list:
     import torch
     import torch.distributed as dist
 
+    from moebench.parity import diagnose
     from moebench.parity.compare import SEED_ALLCLOSE_DEFAULT, STRICT, assertion, compare, pick
     from moebench.parity.diagnose import unrouted_slots
 
@@ -458,7 +459,10 @@ def _run(ctx, row: Row, opts) -> list:
         ref_curve.append(float(ref_loss.detach()))
         if step == 0:
             wrong = _wrong_references(ref, row, r, x_all, t_all)
-            described: dict[str, Any] = dict((NO_BACKWARD_EXCHANGE, RANK_LOCAL, SWAPPED_SCORES))
+            # each known-wrong reference under the diagnosis name every adapter and check uses
+            named = ((NO_BACKWARD_EXCHANGE, diagnose.MISSING_BACKWARD_EXCHANGE), (RANK_LOCAL, diagnose.RANK_LOCAL),
+                     (SWAPPED_SCORES, diagnose.SCORES_MISPAIRED))
+            described: dict[str, Any] = {label: (what, name, "") for (label, what), name in named}
             described[UNROUTED_SLOTS] = unrouted_slots(None, "the last local expert: batched_mm clamps the "
                                                        "sentinel id in-bounds")[1:]
 
