@@ -197,29 +197,36 @@ def check_ratio(check: dict) -> float | None:
     return max(ratios) if ratios else None
 
 
+def _ratio_bars(rows: list[tuple[str, float, str]], *, size: tuple[float, float], with_status: bool):
+    """One horizontal bar per (label, largest |difference| / tolerance, status) on a log axis, pass in
+    the measured colour and anything else in the chapter's; returns (fig, ax) for the caller's marker."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=size)
+    values = [max(r, TOLERANCE_FLOOR) if math.isfinite(r) else 1e3 for _, r, _ in rows]
+    colors = [COLORS["measured"] if status == "pass" else COLORS["chapter"] for _, _, status in rows]
+    ax.barh(range(len(rows)), values, color=colors, left=TOLERANCE_FLOOR / 10)
+    for y, (_, ratio, status) in enumerate(rows):
+        text = "exact (0)" if ratio == 0 else "not finite" if not math.isfinite(ratio) else f"{ratio:.1e}"
+        ax.text(max(ratio, TOLERANCE_FLOOR) if math.isfinite(ratio) else 1e3, y,
+                f" {text} {status}" if with_status else f" {text}", va="center", fontsize=8)
+    ax.set_yticks(range(len(rows)), [name for name, _, _ in rows], fontsize=8 if with_status else None)
+    ax.set_ylim(len(rows) - 0.5, -0.5)  # first row on top
+    ax.set_xscale("log")
+    ax.set_xlabel("largest |difference| / tolerance (log scale; below 1 passes)")
+    return fig, ax
+
+
 def plot_parity(checks: list[dict], path: Path, *, title: str) -> Path | None:
     """Per check: its largest difference over its tolerance, log scale; 1 is the tolerance."""
     rows = [(c["name"], check_ratio(c), c.get("status")) for c in checks]
     rows = [r for r in rows if r[1] is not None]
     if not rows:
         return None
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 0.38 * len(rows) + 1.5))
-    values = [max(r, TOLERANCE_FLOOR) if math.isfinite(r) else 1e3 for _, r, _ in rows]
-    colors = [COLORS["measured"] if status == "pass" else COLORS["chapter"] for _, _, status in rows]
-    ax.barh(range(len(rows)), values, color=colors, left=TOLERANCE_FLOOR / 10)
-    for y, (_, ratio, _) in enumerate(rows):
-        text = "exact (0)" if ratio == 0 else "not finite" if not math.isfinite(ratio) else f"{ratio:.1e}"
-        ax.text(max(ratio, TOLERANCE_FLOOR) if math.isfinite(ratio) else 1e3, y, f" {text}", va="center",
-                fontsize=8)
+    fig, ax = _ratio_bars(rows, size=(8, 0.38 * len(rows) + 1.5), with_status=False)
     ax.axvline(1.0, color=COLORS["chapter"], ls="--", lw=1)
     ax.text(1.0, 0.02, " tolerance", color=COLORS["chapter"], fontsize=8, va="bottom",
             transform=ax.get_xaxis_transform())
-    ax.set_yticks(range(len(rows)), [name for name, _, _ in rows])
-    ax.invert_yaxis()
-    ax.set_xscale("log")
     ax.set_xlim(TOLERANCE_FLOOR / 10, 1e4)
-    ax.set_xlabel("largest |difference| / tolerance (log scale; below 1 passes)")
     ax.set_title(title, fontsize=11)
     return save_figure(fig, path)
 
@@ -227,30 +234,18 @@ def plot_parity(checks: list[dict], path: Path, *, title: str) -> Path | None:
 def plot_library(rows: list[dict], checks: list[dict], path: Path, *, title: str) -> Path | None:
     """Per conformance row (its check, by name): the largest difference over its tolerance, log scale,
     coloured by the row's verdict (rows without a comparison, e.g. skipped ones, are not drawn)."""
+    from matplotlib.patches import Patch
+
     by_name = {c["name"]: c for c in checks}
     drawn = [(r["check"], check_ratio(by_name[r["check"]]), r["verdict"]) for r in rows if r.get("check") in by_name]
     drawn = [d for d in drawn if d[1] is not None]
     if not drawn:
         return None
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(11, 0.3 * len(drawn) + 1.6))
-    values = [max(r, TOLERANCE_FLOOR) if math.isfinite(r) else 1e3 for _, r, _ in drawn]
-    colors = [COLORS["measured"] if verdict == "pass" else COLORS["chapter"] for _, _, verdict in drawn]
-    ax.barh(range(len(drawn)), values, color=colors, left=TOLERANCE_FLOOR / 10)
-    for y, (_, ratio, verdict) in enumerate(drawn):
-        text = "exact (0)" if ratio == 0 else "not finite" if not math.isfinite(ratio) else f"{ratio:.1e}"
-        ax.text(max(ratio, TOLERANCE_FLOOR) if math.isfinite(ratio) else 1e3, y, f" {text} {verdict}", va="center",
-                fontsize=8)
-    from matplotlib.patches import Patch
-
+    fig, ax = _ratio_bars(drawn, size=(11, 0.3 * len(drawn) + 1.6), with_status=True)
     line = ax.axvline(1.0, color=COLORS["chapter"], ls="--", lw=1, label="tolerance")
     ax.legend(handles=[line, Patch(color=COLORS["measured"], label="pass"),
                        Patch(color=COLORS["chapter"], label="fail")], fontsize=8, loc="lower right")
-    ax.set_yticks(range(len(drawn)), [name for name, _, _ in drawn], fontsize=8)
-    ax.set_ylim(len(drawn) - 0.5, -0.5)
-    ax.set_xscale("log")
     ax.set_xlim(TOLERANCE_FLOOR / 10, 1e6)  # room for a failing row's label
-    ax.set_xlabel("largest |difference| / tolerance (log scale; below 1 passes)")
     ax.set_title(title, fontsize=10)
     return save_figure(fig, path)
 
