@@ -375,27 +375,33 @@ def run(ctx, row: Row, opts) -> list:
                 step_out.append(assertion(f"{tag}: capacity dropped routes ({ref_step.dropped} of "
                                           f"{ref_step.routes})", ref_step.dropped > 0,
                                           note="" if ref_step.dropped else "nothing dropped: the row is vacuous"))
-            grads = {}
+            grads, wrong = {}, set()
             for n, g in reduced.items():
                 grads[n] = (g, ref_step.grad[gname[n]])
                 step_out.append(compare(f"{tag}: {label(gname[n])} reduced grad", g, ref_step.grad[gname[n]], tol,
                                         world_size=w))
+                wrong |= set() if step_out[-1].passed else {("grad", gname[n])}
             norm = None
             if s.clip > 0 and s.zero_stage > 0 and engine.get_global_grad_norm() is not None:
                 norm = (float(engine.get_global_grad_norm()), ref_step.norm)
                 step_out.append(compare(f"{tag}: global gradient norm", norm[0], norm[1], tol, world_size=w))
-            updates = {}
+                wrong |= set() if step_out[-1].passed else {("norm", "")}
+            updates, afters = {}, {}
+            ref_params = dict(ref.named_parameters())
             for n, p in names.items():
                 expected = ref_step.update[gname[n]]
                 actual = p.detach().double() - before[n]
                 updates[n] = (actual, expected)
+                afters[n] = (p.detach().double(), ref_params[gname[n]].detach().double())
                 # An expert no token reached has a zero update: the after-the-step comparison asserts it.
                 if expected.any():
                     step_out.append(compare(f"{tag}: {label(gname[n])} update applied by the step "
                                             "(-lr x clipped reduced grad)", actual, expected,
                                             _update_tolerance(before[n].float()), world_size=w))
-                step_out.append(compare(f"{tag}: {label(gname[n])} after the step", p,
-                                        dict(ref.named_parameters())[gname[n]], tol, world_size=w))
+                    wrong |= set() if step_out[-1].passed else {("update", gname[n])}
+                step_out.append(compare(f"{tag}: {label(gname[n])} after the step", p, ref_params[gname[n]], tol,
+                                        world_size=w))
+                wrong |= set() if step_out[-1].passed else {("after", gname[n])}
             out += step_out
             wrong_here = torch.tensor([0 if all(c.passed for c in step_out if c.asserted) else 1])
             dist.all_reduce(wrong_here, op=dist.ReduceOp.MAX)
@@ -403,7 +409,8 @@ def run(ctx, row: Row, opts) -> list:
                 mine = mech.analyse(mech.StepView(
                     settings=dataclasses.asdict(s), sizes=sizes, step=step + 1, rank=r, comparisons=step_out,
                     grads={gname[n]: v for n, v in grads.items()},
-                    updates={gname[n]: v for n, v in updates.items()}, norm=norm,
+                    updates={gname[n]: v for n, v in updates.items()},
+                    afters={gname[n]: v for n, v in afters.items()}, wrong=wrong, norm=norm,
                     per_slice=ref_step.per_slice, ref_grad=ref_step.grad))
                 every = [None] * w
                 dist.all_gather_object(every, mine)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from moebench.parity.compare import STRICT_ATOL_FRACTION, STRICT_RTOL, Comparison
+from moebench.parity.compare import Comparison
 from moebench.parity.diagnose import FIRST_DIVERGENCE
 
 SCALE_MATCH_RTOL = 0.02
@@ -34,13 +34,13 @@ SCALE_MATCH_RTOL = 0.02
 FIT_RTOL = 1e-4
 """A tensor is `c x expected` when |actual - c x expected| <= FIT_RTOL x max|actual| (+ its comparison's
 floor): summation noise is ~1e-7 of the magnitude, a partly wrong tensor leaves >= 1e-2 (diagnose.py)."""
-RATIO_MIN_FRACTION = 0.1
-"""Update ratios actual / expected are read only where |expected| >= this fraction of the largest
-|expected| of its tensor: an update read from float32 parameters carries up to ~5e-3 relative rounding
-at 1 % of the largest (measured), ~5e-4 at 10 %."""
+RATIO_ULPS = 2000
+"""Update ratios actual / expected are read only where |expected| >= RATIO_ULPS float32 ulps of the
+tensor's largest |parameter|: an update is read as after - before of float32 parameters (~1 ulp of
+rounding), so there the ratio's noise stays <= 1/2000 = 5e-4, a quarter of CLUSTER_RTOL."""
 CLUSTER_RTOL = 2e-3
-"""Two update ratios belong to one common factor when within 0.2 % of each other: 4x the rounding at
-RATIO_MIN_FRACTION; the clip coefficients of different ranks differ by >= 1 % in every case seen."""
+"""Two update ratios belong to one common factor when within 0.2 % of each other: 4x the ratio noise
+(RATIO_ULPS); the clip coefficients of different ranks differ by >= 1 % in every case seen."""
 ALT_RTOL = 1e-4
 """An accumulation alternative matches when within this fraction of the tensor's magnitude."""
 
@@ -89,6 +89,11 @@ class StepView:
     """name -> (reduced gradient read from the engine, reference), where the engine gives one."""
     updates: dict[str, tuple[torch.Tensor, torch.Tensor]]
     """name -> (applied update, reference update)."""
+    afters: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    """name -> (parameter after the step, reference's)."""
+    wrong: set
+    """Names whose comparison (with its own tolerance) failed on this rank, as (phase, name) pairs:
+    phase "grad", "update" or "after" (and ("norm", "") for the global norm)."""
     norm: tuple[float, float] | None
     """(engine's global gradient norm, reference's), where the engine keeps one."""
     per_slice: list
@@ -106,11 +111,6 @@ def _label(name: str) -> str:
     from moebench.libraries.ds_engine import label
 
     return label(name)
-
-
-def _wrong(a: torch.Tensor, e: torch.Tensor) -> bool:
-    atol = STRICT_ATOL_FRACTION * float(e.abs().max()) if e.numel() else 0.0
-    return not bool(((a - e).abs() <= atol + STRICT_RTOL * e.abs()).all())
 
 
 def _scale(a: torch.Tensor, e: torch.Tensor) -> float | None:
@@ -162,18 +162,19 @@ def analyse(v: StepView) -> dict[str, Any] | None:
     tag = f"step {v.step}"
     losses = [c for c in failed if ": loss" in c.name]
     if losses:
-        return _finding("loss", "forward-differs", f"the loss differs before any gradient ({losses[0].name.split(': ', 1)[1]})"
-                        ": the model, its weights or its routing differ", f"{tag}, output")
-    wrong = {n: ae for n, ae in v.grads.items() if _wrong(*ae)}
+        what = losses[0].name.split(": ", 1)[1]
+        return _finding("loss", "forward-differs", f"the loss differs before any gradient ({what}): the model, "
+                        "its weights or its routing differ", f"{tag}, output")
+    wrong = {n: ae for n, ae in v.grads.items() if ("grad", n) in v.wrong}
     if wrong:
         return _grad_finding(v, wrong, tag)
-    if v.norm is not None and _wrong(torch.tensor(v.norm[0]), torch.tensor(v.norm[1])):
+    if v.norm is not None and ("norm", "") in v.wrong:
         ratio = v.norm[0] / v.norm[1] if v.norm[1] else float("inf")
         return _finding("global norm", "global-norm",
                         f"reduced gradients right; the engine's global gradient norm is {v.norm[0]:.4g} on rank "
                         f"{v.rank}, the reference's {v.norm[1]:.4g} (x {ratio:.4g}): the clip coefficient "
                         "differs, so every update is scaled by it", f"{tag}, all groups", ratio=ratio)
-    wrong_updates = {n: ae for n, ae in v.updates.items() if ae[1].any() and _wrong(*ae)}
+    wrong_updates = {n: ae for n, ae in v.updates.items() if ("update", n) in v.wrong}
     if not wrong_updates:
         other = failed[0]
         return _finding("update", "partition-copy-back", f"reduced gradients and updates right, but {other.name} "
@@ -223,7 +224,7 @@ def _update_finding(v: StepView, wrong: dict, tag: str, *, grads_read: bool) -> 
     groups = sorted({_group(n) for n in wrong})
     first = next(iter(wrong))
     where = f"{tag}, {'/'.join(groups)} ({_label(first)})"
-    factors = _common_factors(v.updates, v.sizes.world)
+    factors = _common_factors(v.updates, v.afters, v.sizes.world)
     clip = v.settings.get("clip", 0.0)
     if clip > 0 and factors is not None:
         shown = ", ".join(f"{f:.4g}" for f in factors)
@@ -242,7 +243,7 @@ def _update_finding(v: StepView, wrong: dict, tag: str, *, grads_read: bool) -> 
                             f"expert updates scaled by {fitted[0]:.4g} (dense and gate right; the reduced gradients "
                             "cannot be read here): " + ("; ".join(why) or "no group size of this row gives it"),
                             where, scale=fitted[0], explanations=why)
-    landed = _landed_elsewhere(v.updates, wrong)
+    landed = _landed_elsewhere(v.afters, wrong)
     return _finding("update", "partition-copy-back",
                     ("reduced gradients right, applied step wrong" if grads_read
                      else "applied step wrong (reduced gradients not readable here)")
@@ -250,15 +251,15 @@ def _update_finding(v: StepView, wrong: dict, tag: str, *, grads_read: bool) -> 
                     + ": the partitioning or the copy back into the parameters", where, landed=landed)
 
 
-def _common_factors(updates: dict, world: int) -> list[float] | None:
+def _common_factors(updates: dict, afters: dict, world: int) -> list[float] | None:
     """The distinct factors actual / expected of every update element (at most `world` of them, each a
     tight cluster), or None when the updates are not piecewise one factor."""
     ratios = []
-    for a, e in updates.values():
-        if not e.any():
-            continue
-        keep = e.abs() >= RATIO_MIN_FRACTION * float(e.abs().max())
-        ratios.append((a[keep] / e[keep]).flatten())
+    for name, (a, e) in updates.items():
+        before = afters[name][0] - a
+        keep = e.abs() >= RATIO_ULPS * torch.finfo(torch.float32).eps * float(before.abs().max())
+        if bool(keep.any()):
+            ratios.append((a[keep] / e[keep]).flatten())
     if not ratios:
         return None
     rho, _ = torch.sort(torch.cat(ratios))
@@ -275,12 +276,13 @@ def _common_factors(updates: dict, world: int) -> list[float] | None:
     return factors
 
 
-def _landed_elsewhere(updates: dict, wrong: dict) -> str:
-    """"the update of B landed in A" when a wrong update equals another parameter's reference update."""
-    for name, (a, _) in wrong.items():
-        for other, (_, e) in updates.items():
-            if other != name and e.shape == a.shape and e.any() and _close(a, e):
-                return f"{_label(name)} received the update of {_label(other)}"
+def _landed_elsewhere(afters: dict, wrong: dict) -> str:
+    """"A holds B's updated values" when a wrongly updated parameter equals another one's reference."""
+    for name in wrong:
+        a = afters[name][0]
+        for other, (_, e) in afters.items():
+            if other != name and e.shape == a.shape and _close(a, e):
+                return f"{_label(name)} holds the updated values of {_label(other)}"
     return ""
 
 
