@@ -268,23 +268,33 @@ class RefStep:
     """Routes requested over every slice and micro-step."""
 
 
-def reference_step(ref: nn.Module, s: EngineSettings, world: int, seed: int, step: int) -> RefStep:
+def reference_step(ref: nn.Module, s: EngineSettings, world: int, seed: int, step: int, *,
+                   compute: nn.Module | None = None) -> RefStep:
     """One step of the reference on this process: every slice of every micro-step through the
     ep_size = 1 model, the gradient averaged as DeepSpeed's data parallelism defines it, clipped by the
-    global norm, SGD applied to `ref` in place."""
+    global norm, SGD applied to `ref` in place. `compute`: a low-precision copy that computes the
+    gradients from `ref`'s weights (copied into it first, inputs cast to its dtype) while `ref` keeps the
+    float32 master weights (mixed precision on one process: the bf16 noise model's baseline)."""
     params = dict(ref.named_parameters())
+    model, dtype = ref, torch.float32
+    if compute is not None:
+        model, dtype = compute, next(compute.inp.parameters()).dtype
+        with torch.no_grad():
+            for n, p in compute.named_parameters():
+                p.copy_(params[n])
+    used = dict(model.named_parameters())
     per_slice: list[list[dict[str, torch.Tensor]]] = [[] for _ in range(world)]
     losses, dropped, routes = [], 0, 0
     for m in range(s.grad_accum):
         total = 0.0
         for r in range(world):
             x, y = _batch(seed, s.zero_stage, step, m, r)
-            loss = _loss(ref, x, y)
-            grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+            loss = _loss(model, x.to(dtype), y)
+            grads = torch.autograd.grad(loss, list(used.values()), allow_unused=True)
             per_slice[r].append({n: (g.double() if g is not None else torch.zeros_like(p, dtype=torch.float64))
-                                 for (n, p), g in zip(params.items(), grads)})
+                                 for (n, p), g in zip(used.items(), grads)})
             total += float(loss.detach())
-            last = ref.moe.last
+            last = model.moe.last
             dropped, routes = dropped + last.dropped, routes + last.routes
         losses.append(total / world)
     grad = {n: sum(per_slice[r][m][n] for r in range(world) for m in range(s.grad_accum)) / (world * s.grad_accum)
@@ -332,6 +342,12 @@ def run(ctx, row: Row, opts) -> list:
         create_expert_groups(1)
         ref = _Net(_moe_config(s, experts, 1), experts, opts.seed, 0)
         ref.moe.moe.set_deepspeed_parallelism()
+        half = master = None
+        if s.precision == "bf16":  # the noise model's baseline: the same mathematics in bf16 on one process
+            master = _Net(_moe_config(s, experts, 1), experts, opts.seed, 0)
+            half = _Net(_moe_config(s, experts, 1), experts, opts.seed, 0).to(torch.bfloat16)
+            master.moe.moe.set_deepspeed_parallelism()
+            half.moe.moe.set_deepspeed_parallelism()
         create_expert_groups(s.ep_size)
         ep_rank = ds_groups._get_expert_parallel_rank(f"ep_size_{s.ep_size}")
         local = experts // s.ep_size
@@ -343,6 +359,8 @@ def run(ctx, row: Row, opts) -> list:
         for step in range(s.steps):
             tag = f"ZeRO {s.zero_stage}, step {step + 1}"
             ref_step = reference_step(ref, s, w, opts.seed, step)
+            base_step = reference_step(master, s, w, opts.seed, step, compute=half) if half is not None else None
+            asserted = base_step is None  # bf16: per element for information; judged by the noise model
             before = {n: p.detach().double().clone() for n, p in names.items()}
             step_out: list = []
             reduced: dict[str, torch.Tensor] = {}
@@ -365,7 +383,7 @@ def run(ctx, row: Row, opts) -> list:
             for m, value in enumerate(losses):
                 what = f"loss, micro-step {m + 1}" if s.grad_accum > 1 else "loss"
                 step_out.append(compare(f"{tag}: {what} (mean over ranks)", value, ref_step.losses[m], tol,
-                                        world_size=w))
+                                        world_size=w, asserted=asserted))
             if s.clip > 0:
                 binds = ref_step.norm > s.clip
                 step_out.append(assertion(f"{tag}: clip binds (reference's unclipped global norm "
@@ -379,13 +397,16 @@ def run(ctx, row: Row, opts) -> list:
             for n, g in reduced.items():
                 grads[n] = (g, ref_step.grad[gname[n]])
                 step_out.append(compare(f"{tag}: {label(gname[n])} reduced grad", g, ref_step.grad[gname[n]], tol,
-                                        world_size=w))
-                wrong |= set() if step_out[-1].passed else {("grad", gname[n])}
+                                        world_size=w, asserted=asserted))
+                wrong |= set() if step_out[-1].passed or not asserted else {("grad", gname[n])}
+            if base_step is not None:
+                step_out.append(_noise_model(tag, reduced, gname, ref_step, base_step, s, w))
             norm = None
             if s.clip > 0 and s.zero_stage > 0 and engine.get_global_grad_norm() is not None:
                 norm = (float(engine.get_global_grad_norm()), ref_step.norm)
-                step_out.append(compare(f"{tag}: global gradient norm", norm[0], norm[1], tol, world_size=w))
-                wrong |= set() if step_out[-1].passed else {("norm", "")}
+                step_out.append(compare(f"{tag}: global gradient norm", norm[0], norm[1], tol, world_size=w,
+                                        asserted=asserted))
+                wrong |= set() if step_out[-1].passed or not asserted else {("norm", "")}
             updates, afters = {}, {}
             ref_params = dict(ref.named_parameters())
             for n, p in names.items():
@@ -397,11 +418,11 @@ def run(ctx, row: Row, opts) -> list:
                 if expected.any():
                     step_out.append(compare(f"{tag}: {label(gname[n])} update applied by the step "
                                             "(-lr x clipped reduced grad)", actual, expected,
-                                            _update_tolerance(before[n].float()), world_size=w))
-                    wrong |= set() if step_out[-1].passed else {("update", gname[n])}
+                                            _update_tolerance(before[n].float()), world_size=w, asserted=asserted))
+                    wrong |= set() if step_out[-1].passed or not asserted else {("update", gname[n])}
                 step_out.append(compare(f"{tag}: {label(gname[n])} after the step", p, ref_params[gname[n]], tol,
-                                        world_size=w))
-                wrong |= set() if step_out[-1].passed else {("after", gname[n])}
+                                        world_size=w, asserted=asserted))
+                wrong |= set() if step_out[-1].passed or not asserted else {("after", gname[n])}
             out += step_out
             wrong_here = torch.tensor([0 if all(c.passed for c in step_out if c.asserted) else 1])
             dist.all_reduce(wrong_here, op=dist.ReduceOp.MAX)
@@ -422,6 +443,37 @@ def run(ctx, row: Row, opts) -> list:
     if finding is not None:
         out.insert(0, mech.first_divergence_comparison(finding, rank=r))
     return out
+
+
+BF16_NOISE_RATIO = 4.0
+"""A bf16 row passes when its whole-model reduced gradient is at most this many times farther (relative
+L2) from the float32 reference than the same mathematics in bf16 on one process is. The engine adds
+what one process does not: its reduction and accumulation buffers (bf16 communication, a different
+summation order); measured here (DeepSpeed 0.19.8, W = 4) every unbroken bf16 row sits at ratios
+1.36-1.54, while expert gradients divided by the wrong group's size (2x) lie at 51-354."""
+
+
+def _noise_model(tag: str, reduced: dict, gname: dict, ref_step: RefStep, base_step: RefStep, s: EngineSettings,
+                 world: int):
+    """The bf16 judgement: whole-model relative L2 distance of the reduced gradient from float32, this
+    engine's (every parameter once: replicated ones weighted 1/W, experts ep/W, summed over ranks) against
+    the one-process bf16 baseline's."""
+    from moebench.parity.compare import assertion
+
+    sums = torch.zeros(2, dtype=torch.float64)
+    for n, g in reduced.items():
+        weight = (s.ep_size if group(gname[n]) == "experts" else 1) / world
+        expected = ref_step.grad[gname[n]]
+        sums += torch.tensor([weight * float(((g - expected) ** 2).sum()), weight * float((expected ** 2).sum())])
+    dist.all_reduce(sums)
+    d_row = math.sqrt(float(sums[0]) / float(sums[1])) if sums[1] > 0 else math.inf
+    num = sum(float(((base_step.grad[n] - e) ** 2).sum()) for n, e in ref_step.grad.items())
+    den = sum(float((e ** 2).sum()) for e in ref_step.grad.values())
+    d_base = math.sqrt(num / den) if den > 0 else math.inf
+    ok = bool(reduced) and d_row <= BF16_NOISE_RATIO * d_base
+    return assertion(f"{tag}: bf16 noise model: reduced gradient's distance from fp32 {d_row:.3g} <= "
+                     f"{BF16_NOISE_RATIO:g} x bf16 on one process ({d_base:.3g})", ok,
+                     note=f"ratio {d_row / d_base:.3g}" if d_base > 0 else "no baseline distance")
 
 
 def _bf16_supported_or_skip(s: EngineSettings) -> None:

@@ -13,7 +13,8 @@ every rank calls `analyse` on what it holds; `combine` picks the earliest phase 
 - reduced-grad-wrong: reduced gradients differ otherwise (the first one's own diagnosis);
 - global-norm: reduced gradients right, every update scaled by one common factor (per ZeRO partition
   or rank): the global gradient norm or the clip coefficient differs;
-- partition-copy-back: reduced gradients right, applied step wrong: partitioning or the copy back.
+- partition-copy-back: reduced gradients right, applied step wrong: partitioning or the copy back;
+- bf16-noise: a bf16 row's gradient farther from float32 than the noise model allows, no group scale.
 
 The finding becomes the row's first comparison, marked diagnose.FIRST_DIVERGENCE, so the row's
 diagnosis headlines it and counts every later difference as its consequence.
@@ -165,6 +166,9 @@ def analyse(v: StepView) -> dict[str, Any] | None:
         what = losses[0].name.split(": ", 1)[1]
         return _finding("loss", "forward-differs", f"the loss differs before any gradient ({what}): the model, "
                         "its weights or its routing differ", f"{tag}, output")
+    noise = [c for c in failed if "bf16 noise model" in c.name]
+    if noise:
+        return _bf16_finding(v, noise[0], tag)
     wrong = {n: ae for n, ae in v.grads.items() if ("grad", n) in v.wrong}
     if wrong:
         return _grad_finding(v, wrong, tag)
@@ -218,6 +222,50 @@ def _grad_finding(v: StepView, wrong: dict, tag: str) -> dict[str, Any]:
     return _finding("reduced gradient", "reduced-grad-wrong",
                     f"reduced gradient of {_label(first)} wrong ({d['name']}: {d['sentence']})", where,
                     diagnosis=d["name"])
+
+
+BF16_FIT_RTOL = 0.05
+"""In bf16 a group's gradient is `c x the reference's` when the rest is within 5 % of it (relative L2):
+bf16 noise is ~0.5 % here (the noise model's distances), a wrong share of a gradient leaves >= 20 %."""
+
+
+def _group_fit(pairs: list) -> tuple[float, float] | None:
+    """(c, relative L2 residual) of the least-squares fit actual = c x expected over a group's tensors."""
+    ae = sum(float((a * e).sum()) for a, e in pairs)
+    ee = sum(float((e * e).sum()) for _, e in pairs)
+    if ee == 0:
+        return None
+    c = ae / ee
+    resid = sum(float(((a - c * e) ** 2).sum()) for a, e in pairs)
+    aa = sum(float((a * a).sum()) for a, _ in pairs)
+    return c, (resid / aa) ** 0.5 if aa > 0 else 0.0
+
+
+def _bf16_finding(v: StepView, noise, tag: str) -> dict[str, Any]:
+    """A bf16 row whose gradient is farther from fp32 than the noise model allows: a group scaled by one
+    factor is named as in fp32 (with a looser fit: bf16 noise), else the distance is the finding."""
+    fits = {}
+    for g in ("experts", "dense", "gate"):
+        pairs = [ae for n, ae in v.grads.items() if _group(n) == g]
+        fit = _group_fit(pairs) if pairs else None
+        if fit is not None:
+            fits[g] = fit
+    scaled = {g: c for g, (c, resid) in fits.items() if resid <= BF16_FIT_RTOL and abs(c - 1) > BF16_FIT_RTOL}
+    right = {g for g, (c, resid) in fits.items() if resid <= BF16_FIT_RTOL and abs(c - 1) <= BF16_FIT_RTOL}
+    if set(scaled) == {"experts"} and right == set(fits) - {"experts"}:
+        k = scaled["experts"]
+        why = v.sizes.explain(k)
+        return _finding("reduced gradient", "expert-grad-scale",
+                        f"expert gradients scaled by {k:.3g} (bf16; dense and gate right within the noise): "
+                        + ("; ".join(why) or "no group size of this row gives it"), f"{tag}, experts", scale=k,
+                        explanations=why)
+    if scaled and set(scaled) == set(fits) and max(scaled.values()) - min(scaled.values()) <= BF16_FIT_RTOL:
+        k = next(iter(scaled.values()))
+        return _finding("reduced gradient", "loss-scale",
+                        f"every reduced gradient scaled by {k:.3g} (bf16): the loss scale (or 1/grad_accum) is not "
+                        "undone, or undone twice", f"{tag}, all groups", scale=k)
+    return _finding("reduced gradient", "bf16-noise", f"{noise.name.split(': ', 1)[1]}: {noise.note}",
+                    f"{tag}, all groups")
 
 
 def _update_finding(v: StepView, wrong: dict, tag: str, *, grads_read: bool) -> dict[str, Any]:
