@@ -432,7 +432,7 @@ def run(ctx, row: Row, opts) -> list:
                     grads={gname[n]: v for n, v in grads.items()},
                     updates={gname[n]: v for n, v in updates.items()},
                     afters={gname[n]: v for n, v in afters.items()}, wrong=wrong, norm=norm,
-                    per_slice=ref_step.per_slice, ref_grad=ref_step.grad))
+                    per_slice=ref_step.per_slice, ref_grad=ref_step.grad, ref_norm=ref_step.norm))
                 every = [None] * w
                 dist.all_gather_object(every, mine)
                 finding = mech.combine(every, sizes=sizes, zero_stage=s.zero_stage, step=step + 1)

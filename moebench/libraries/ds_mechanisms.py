@@ -100,6 +100,16 @@ class StepView:
     per_slice: list
     """The reference's [slice][micro] gradients (accumulation alternatives)."""
     ref_grad: dict[str, torch.Tensor]
+    ref_norm: float = 0.0
+    """The reference's global gradient norm (every parameter, each expert once)."""
+
+    def own_norm(self) -> float:
+        """The reference gradient's norm over this rank's own parameters only (its experts alone)."""
+        return sum(float((self.ref_grad[n] ** 2).sum()) for n in self.updates) ** 0.5
+
+    def clip_coef(self) -> float:
+        clip = self.settings.get("clip", 0.0)
+        return min(1.0, clip / (self.ref_norm + 1e-6)) if clip > 0 else 1.0
 
 
 def _group(name: str) -> str:
@@ -177,7 +187,8 @@ def analyse(v: StepView) -> dict[str, Any] | None:
         return _finding("global norm", "global-norm",
                         f"reduced gradients right; the engine's global gradient norm is {v.norm[0]:.4g} on rank "
                         f"{v.rank}, the reference's {v.norm[1]:.4g} (x {ratio:.4g}): the clip coefficient "
-                        "differs, so every update is scaled by it", f"{tag}, all groups", ratio=ratio)
+                        "differs, so every update is scaled by it", f"{tag}, all groups", ratio=ratio,
+                        engine_norm=v.norm[0], ref_norm=v.norm[1], own_norm=v.own_norm())
     wrong_updates = {n: ae for n, ae in v.updates.items() if ("update", n) in v.wrong}
     if not wrong_updates:
         other = failed[0]
@@ -276,11 +287,13 @@ def _update_finding(v: StepView, wrong: dict, tag: str, *, grads_read: bool) -> 
     clip = v.settings.get("clip", 0.0)
     if clip > 0 and factors is not None:
         shown = ", ".join(f"{f:.4g}" for f in factors)
+        implied = clip / (factors[0] * v.clip_coef()) - 1e-6 if len(factors) == 1 else None
         return _finding("update", "global-norm",
                         ("reduced gradients right; " if grads_read else "")
                         + f"every update on rank {v.rank} is the reference's scaled by one common factor per "
                         f"rank or ZeRO partition ({shown}): the global gradient norm or the clip coefficient differs",
-                        f"{tag}, all groups", factors=factors)
+                        f"{tag}, all groups", factors=factors, engine_norm=implied, ref_norm=v.ref_norm,
+                        own_norm=v.own_norm())
     if not grads_read:
         scales = {n: _scale(a, e) for n, (a, e) in wrong.items()}
         fitted = [c for c in scales.values() if c is not None]
@@ -343,9 +356,37 @@ def combine(findings: list, *, sizes: GroupSizes, zero_stage: int, step: int) ->
     ranks = [r for p, r, g in ranked if p == phase and g["name"] == f["name"]]
     on = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
     sentence = f"first divergence at ZeRO {zero_stage}, {f['where']}, on {on}: {f['sentence']}"
+    if f["name"] == "global-norm":
+        sentence += _which_norm([g for g in findings if g is not None and g["name"] == "global-norm"], len(findings))
     return {"name": f["name"], "sentence": sentence,
             "details": {FIRST_DIVERGENCE: True, "zero_stage": zero_stage, "step": step, "where": f["where"],
                         "phase": PHASES[phase], "ranks": ranks, **f["details"]}}
+
+
+NORM_MATCH_RTOL = 1e-3
+"""An engine's global norm (read, or implied by its clip factor) matches a candidate norm within 0.1 %:
+clip factors are read to ~5e-4 (CLUSTER_RTOL / 4), candidates differ by >= 1 % in every case seen."""
+
+
+def _which_norm(findings: list, world: int) -> str:
+    """Which wrong norm the engine used, when every rank's finding tells (a global-norm clause)."""
+    if len(findings) != world or any(g["details"].get("engine_norm") is None for g in findings):
+        return ""
+    engine = [g["details"]["engine_norm"] for g in findings]
+    own = [g["details"]["own_norm"] for g in findings]
+    ref = findings[0]["details"]["ref_norm"]
+
+    def near(a: float, b: float) -> bool:
+        return abs(a - b) <= NORM_MATCH_RTOL * abs(b)
+
+    mean_own = sum(own) / len(own)
+    if all(near(e, mean_own) for e in engine) and not near(mean_own, ref):
+        return (f"; the engine's norm {engine[0]:.4g} is the MEAN over ranks of each rank's own-parameter norm "
+                f"(its own experts only), not the norm over every parameter ({ref:.4g}, each expert once)")
+    if all(near(e, o) for e, o in zip(engine, own)) and not all(near(o, ref) for o in own):
+        return (f"; each rank's norm ({', '.join(f'{e:.4g}' for e in engine)}) is its own parameters' alone, "
+                f"not the norm over every parameter ({ref:.4g})")
+    return f"; the engine's norm {engine[0]:.4g} on rank 0, the reference's {ref:.4g}"
 
 
 def first_divergence_comparison(finding: dict, *, rank: int) -> Comparison:
