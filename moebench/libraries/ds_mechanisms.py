@@ -386,7 +386,10 @@ def _which_norm(findings: list, world: int) -> str:
     if all(near(e, o) for e, o in zip(engine, own)) and not all(near(o, ref) for o in own):
         return (f"; each rank's norm ({', '.join(f'{e:.4g}' for e in engine)}) is its own parameters' alone, "
                 f"not the norm over every parameter ({ref:.4g})")
-    return f"; the engine's norm {engine[0]:.4g} on rank 0, the reference's {ref:.4g}"
+    if not all(near(e, engine[0]) for e in engine):
+        return (f"; the ranks disagree on the global norm ({', '.join(f'{e:.4g}' for e in engine)}): each used a "
+                f"norm of its own, not the one over every parameter ({ref:.4g})")
+    return ""
 
 
 def first_divergence_comparison(finding: dict, *, rank: int) -> Comparison:
