@@ -41,7 +41,8 @@ def row_checks(names: list[str], world_sizes: tuple[int, ...]) -> list[Check]:
         for world_size in world_sizes:
             for row in adapter.rows(world_size):
                 labels = {"library": row.library, "version": version, "model": row.model, "backend": row.backend,
-                          "ep_mode": row.ep_mode, "world_size": row.world_size, "features": tuple(row.features)}
+                          "ep_mode": row.ep_mode, "world_size": row.world_size, "features": tuple(row.features),
+                          **dict(row.params)}
                 check = Check(
                     name=row.key(), order=ROW_ORDER + len(checks), seed_source=f"{row.library} {version}",
                     description=f"{row.library} {row.model} ({row.backend}, {row.ep_mode}) over {row.world_size} "
@@ -84,7 +85,7 @@ def rows_of(summary: dict[str, Any]) -> list[dict[str, Any]]:
         d = c.get("diagnosis")
         why = d["sentence"] if d else c.get("reason", "") if c["status"] != "pass" else ""
         first = (d or {}).get("details", {}).get("first") or {}
-        if first.get("sentence"):  # what the first wrong tensor looks like: the maintainer's lead
+        if first.get("sentence") and first["sentence"] not in why:  # the first wrong tensor: the maintainer's lead
             why = f"{why}; it {first['sentence']}"
         rows.append({**c["labels"], "features": list(c["labels"].get("features", ())), "check": c["name"],
                      "verdict": c["status"], "diagnosis": (f"{d['name']}: {why}" if d else why) or None,

@@ -60,6 +60,10 @@ SCORES_MISPAIRED = "scores-mispaired"
 UNROUTED_SLOTS = "unrouted-slots"
 
 GROUPS = ("output", "input gradient", "gate/router", "experts", "replicated")
+FIRST_DIVERGENCE = "first_divergence"
+"""A check that knows its own causal order (stage, step, gradient before update) marks the diagnosis
+of its first divergence with this detail set True and puts that comparison first; `summarise` then
+headlines it and counts every other failure as its consequence."""
 
 
 def _t(x: Any) -> torch.Tensor:
@@ -277,6 +281,8 @@ def summarise(comparisons: list, world_size: int, first: Any = None) -> dict[str
     if not failed:
         return None
     first = first if first is not None else failed[0]
+    if first.diagnosis and first.diagnosis.get("details", {}).get(FIRST_DIVERGENCE):
+        return _first_divergence(first, failed)
     groups: dict[str, list[int]] = {}
     for c in asserted:
         g = groups.setdefault(group_of(c.name), [0, 0])
@@ -309,3 +315,20 @@ def summarise(comparisons: list, world_size: int, first: Any = None) -> dict[str
                         "first": {"rank": first.rank, "name": first.name,
                                   "sentence": first.diagnosis["sentence"] if first.diagnosis else first.note},
                         "diagnoses": {n: names.count(n) for n in sorted(set(names))}}}
+
+
+def _first_divergence(first: Any, failed: list) -> dict[str, Any]:
+    """The check-level diagnosis of a check that named its first divergence (FIRST_DIVERGENCE): that
+    mechanism, and every later failure marked as its consequence (counted by group, never as a cause)."""
+    later = [c for c in failed if c is not first and not (c.diagnosis or {}).get("details", {}).get(FIRST_DIVERGENCE)]
+    groups: dict[str, int] = {}
+    for c in later:
+        groups[group_of(c.name)] = groups.get(group_of(c.name), 0) + 1
+    sentence = first.diagnosis["sentence"]
+    if later:
+        by_group = ", ".join(f"{g} {groups[g]}" for g in GROUPS if g in groups)
+        sentence += f"; {len(later)} later difference(s) follow from it ({by_group}): consequences, not causes"
+    details = dict(first.diagnosis.get("details", {}))
+    return {"name": first.diagnosis["name"], "sentence": sentence,
+            "details": {**details, "consequences": len(later), "consequence_groups": groups,
+                        "first": {"rank": first.rank, "name": first.name, "sentence": first.diagnosis["sentence"]}}}

@@ -17,15 +17,22 @@ def _run(names, world_sizes, extra=()):
 
 @pytest.mark.multirank
 def test_deepspeed_rows_are_its_checks():
+    """The layer row is the deepspeed-moe-ep check; the engine rows are ds_engine's (tests/libraries/
+    test_ds_engine.py runs them)."""
     pytest.importorskip("deepspeed")
-    summary = _run(["deepspeed"], (2,), extra=("deepspeed-moe-ep",))
+    layer = [c for c in runner.row_checks(["deepspeed"], (2,)) if "moe.layer" in c.name]
+    with runner.registered(layer) as checks:
+        summary = run_checks(ParityConfig(world_size=2, timeout_s=60.0,
+                                          checks=tuple(c.name for c in checks) + ("deepspeed-moe-ep",)))
     by_name = {c["name"]: c for c in summary["checks"]}
     row, check = by_name["deepspeed/moe.layer.MoE/-/ep=2/w2"], by_name["deepspeed-moe-ep"]
     assert row["status"] == check["status"] == "pass"
     assert [c["name"] for c in row["comparisons"]] == [c["name"] for c in check["comparisons"]]
     rows = runner.rows_of(summary)
     assert [(r["model"], r["backend"], r["ep_mode"], r["verdict"]) for r in rows] == [
-        ("moe.layer.MoE", "-", "ep=2", "pass"), ("engine", "zero0-2", "ep=2", "pass")]
+        ("moe.layer.MoE", "-", "ep=2", "pass")]
+    engine = [c.name for c in runner.row_checks(["deepspeed"], (2,)) if "/engine/" in c.name]
+    assert "deepspeed/engine/zero1/ep=1/w2/clip" in engine and len(engine) == 3 * 2 * 4 + 3 * 3
 
 
 @pytest.mark.multirank

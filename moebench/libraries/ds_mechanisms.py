@@ -1,0 +1,398 @@
+"""Name the mechanism behind a DeepSpeed engine row's FIRST divergence (ZeRO stage, step, group).
+
+An engine row (ds_engine.py) compares, per step, the loss, the reduced gradients, the global norm,
+the applied updates and the parameters after the step. At the first step where anything differs,
+every rank calls `analyse` on what it holds; `combine` picks the earliest phase over the ranks
+(loss before gradients before norm before updates) and one sentence per mechanism:
+
+- forward-differs: the loss differs before any gradient (the model or its routing differ);
+- accum-boundary: the reduced gradient is what a broken accumulation boundary gives (one micro-step's
+  gradient missing or reduced twice, or the micro-steps never reduced);
+- expert-grad-scale: the expert gradients alone are scaled by k; which group sizes give k;
+- loss-scale: every reduced gradient is scaled by one factor (a loss scale left in or applied twice);
+- reduced-grad-wrong: reduced gradients differ otherwise (the first one's own diagnosis);
+- global-norm: reduced gradients right, every update scaled by one common factor (per ZeRO partition
+  or rank): the global gradient norm or the clip coefficient differs;
+- partition-copy-back: reduced gradients right, applied step wrong: partitioning or the copy back;
+- bf16-noise: a bf16 row's gradient farther from float32 than the noise model allows, no group scale.
+
+The finding becomes the row's first comparison, marked diagnose.FIRST_DIVERGENCE, so the row's
+diagnosis headlines it and counts every later difference as its consequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from moebench.parity.compare import Comparison
+from moebench.parity.diagnose import FIRST_DIVERGENCE
+
+SCALE_MATCH_RTOL = 0.02
+"""A fitted factor k names a ratio of group sizes when within 2 % of it (as diagnose.SCALE_INTEGER_RTOL)."""
+FIT_RTOL = 1e-4
+"""A tensor is `c x expected` when |actual - c x expected| <= FIT_RTOL x max|actual| (+ its comparison's
+floor): summation noise is ~1e-7 of the magnitude, a partly wrong tensor leaves >= 1e-2 (diagnose.py)."""
+RATIO_ULPS = 2000
+"""Update ratios actual / expected are read only where |expected| >= RATIO_ULPS float32 ulps of the
+tensor's largest |parameter|: an update is read as after - before of float32 parameters (~1 ulp of
+rounding), so there the ratio's noise stays <= 1/2000 = 5e-4, a quarter of CLUSTER_RTOL."""
+CLUSTER_RTOL = 2e-3
+"""Two update ratios belong to one common factor when within 0.2 % of each other: 4x the ratio noise
+(RATIO_ULPS); the clip coefficients of different ranks differ by >= 1 % in every case seen."""
+ALT_RTOL = 1e-4
+"""An accumulation alternative matches when within this fraction of the tensor's magnitude."""
+
+PHASES = ("loss", "reduced gradient", "global norm", "update")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupSizes:
+    """The process-group sizes of a row: the candidates a scale factor is explained by."""
+
+    world: int
+    dp: int
+    """Data-parallel size (the engine divides every gradient by it)."""
+    ep: int
+    """Expert-parallel size."""
+    edp: int
+    """Expert-data-parallel size (ranks holding the same expert) = W / ep."""
+    grad_accum: int
+
+    def explain(self, k: float) -> list[str]:
+        """Which group sizes give a gradient k x the right one (divided by one size instead of dp)."""
+        named = {"world": self.world, "dp": self.dp, "ep": self.ep, "edp": self.edp}
+        out = []
+        for name, size in named.items():
+            if name not in ("world", "dp") and abs(self.dp / size - k) <= SCALE_MATCH_RTOL * k:
+                out.append(f"divided by {name} = {size} instead of dp = {self.dp}")
+        for name, size in named.items():
+            if name not in ("world", "dp") and size > 1 and abs(1 / size - k) <= SCALE_MATCH_RTOL * k:
+                out.append(f"divided by {name} = {size} once too often")
+        if abs(k - self.dp) <= SCALE_MATCH_RTOL * k and self.dp > 1:
+            out.append(f"summed over dp = world = {self.dp} instead of averaged")
+        return out
+
+
+@dataclasses.dataclass(kw_only=True)
+class StepView:
+    """What one rank holds at the first step that differs (global parameter names)."""
+
+    settings: dict
+    sizes: GroupSizes
+    step: int
+    rank: int
+    comparisons: list
+    """This step's comparisons on this rank."""
+    grads: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    """name -> (reduced gradient read from the engine, reference), where the engine gives one."""
+    updates: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    """name -> (applied update, reference update)."""
+    afters: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    """name -> (parameter after the step, reference's)."""
+    wrong: set
+    """Names whose comparison (with its own tolerance) failed on this rank, as (phase, name) pairs:
+    phase "grad", "update" or "after" (and ("norm", "") for the global norm)."""
+    norm: tuple[float, float] | None
+    """(engine's global gradient norm, reference's), where the engine keeps one."""
+    per_slice: list
+    """The reference's [slice][micro] gradients (accumulation alternatives)."""
+    ref_grad: dict[str, torch.Tensor]
+    ref_norm: float = 0.0
+    """The reference's global gradient norm (every parameter, each expert once)."""
+
+    def own_norm(self) -> float:
+        """The reference gradient's norm over this rank's own parameters only (its experts alone)."""
+        return sum(float((self.ref_grad[n] ** 2).sum()) for n in self.updates) ** 0.5
+
+    def clip_coef(self) -> float:
+        clip = self.settings.get("clip", 0.0)
+        return min(1.0, clip / (self.ref_norm + 1e-6)) if clip > 0 else 1.0
+
+
+def _group(name: str) -> str:
+    from moebench.libraries.ds_engine import group
+
+    return group(name)
+
+
+def _label(name: str) -> str:
+    from moebench.libraries.ds_engine import label
+
+    return label(name)
+
+
+def _scale(a: torch.Tensor, e: torch.Tensor) -> float | None:
+    """c when a = c x e everywhere (within FIT_RTOL), else None."""
+    ee = float((e * e).sum())
+    if ee == 0:
+        return None
+    c = float((a * e).sum()) / ee
+    if float((a - c * e).abs().max()) <= FIT_RTOL * max(float(a.abs().max()), 1e-30) + 1e-12:
+        return c
+    return None
+
+
+def _close(a: torch.Tensor, e: torch.Tensor) -> bool:
+    return float((a - e).abs().max()) <= ALT_RTOL * max(float(e.abs().max()), 1e-30)
+
+
+def _finding(phase: str, name: str, sentence: str, where: str, **details) -> dict[str, Any]:
+    return {"phase": PHASES.index(phase), "name": name, "sentence": sentence, "where": where, "details": details}
+
+
+def _accum_alternatives(v: StepView, name: str) -> dict[str, torch.Tensor]:
+    """What the reduced gradient of `name` is when the accumulation boundary is broken, by mechanism."""
+    w, k = v.sizes.world, v.sizes.grad_accum
+    if k < 2:
+        return {}
+    ps = v.per_slice
+    out = {}
+    for m in range(k):
+        only = sum(ps[s][m][name] for s in range(w)) / (w * k)
+        out[f"micro-step {m + 1}'s gradient alone (the other micro-steps' never reached the reduction)"] = only
+        out[f"micro-step {m + 1}'s gradient reduced twice"] = v.ref_grad[name] + only
+    if _group(name) != "experts":  # a replicated parameter's never-reduced gradient is this rank's own
+        mine = sum(ps[v.rank][m][name] for m in range(k)) / k
+        out["this rank's own micro-steps, never reduced at the boundary"] = mine
+        last = sum(ps[s][k - 1][name] for s in range(w)) / (w * k)
+        out["the last micro-step reduced, the earlier ones left this rank's own"] = last + sum(
+            ps[v.rank][m][name] for m in range(k - 1)) / k
+    out[f"not divided by grad_accum = {k}"] = v.ref_grad[name] * k
+    out[f"divided by grad_accum = {k} twice"] = v.ref_grad[name] / k
+    return out
+
+
+def analyse(v: StepView) -> dict[str, Any] | None:
+    """This rank's finding at the first step that differs (None when nothing differs here)."""
+    failed = [c for c in v.comparisons if c.asserted and not c.passed]
+    if not failed:
+        return None
+    tag = f"step {v.step}"
+    losses = [c for c in failed if ": loss" in c.name]
+    if losses:
+        what = losses[0].name.split(": ", 1)[1]
+        return _finding("loss", "forward-differs", f"the loss differs before any gradient ({what}): the model, "
+                        "its weights or its routing differ", f"{tag}, output")
+    noise = [c for c in failed if "bf16 noise model" in c.name]
+    if noise:
+        return _bf16_finding(v, noise[0], tag)
+    wrong = {n: ae for n, ae in v.grads.items() if ("grad", n) in v.wrong}
+    if wrong:
+        return _grad_finding(v, wrong, tag)
+    if v.norm is not None and ("norm", "") in v.wrong:
+        ratio = v.norm[0] / v.norm[1] if v.norm[1] else float("inf")
+        return _finding("global norm", "global-norm",
+                        f"reduced gradients right; the engine's global gradient norm is {v.norm[0]:.4g} on rank "
+                        f"{v.rank}, the reference's {v.norm[1]:.4g} (x {ratio:.4g}): the clip coefficient "
+                        "differs, so every update is scaled by it", f"{tag}, all groups", ratio=ratio,
+                        engine_norm=v.norm[0], ref_norm=v.norm[1], own_norm=v.own_norm())
+    wrong_updates = {n: ae for n, ae in v.updates.items() if ("update", n) in v.wrong}
+    if not wrong_updates:
+        other = failed[0]
+        return _finding("update", "partition-copy-back", f"reduced gradients and updates right, but {other.name} "
+                        "differs: the copy back into the module's parameters", f"{tag}, {_group_of(other.name)}")
+    return _update_finding(v, wrong_updates, tag, grads_read=bool(v.grads))
+
+
+def _group_of(comparison_name: str) -> str:
+    from moebench.parity.diagnose import group_of
+
+    return group_of(comparison_name)
+
+
+def _grad_finding(v: StepView, wrong: dict, tag: str) -> dict[str, Any]:
+    groups = sorted({_group(n) for n in wrong})
+    first = next(iter(wrong))
+    where = f"{tag}, {'/'.join(groups)} ({_label(first)})"
+    for name, (a, _) in wrong.items():
+        for alt, t in _accum_alternatives(v, name).items():
+            if _close(a, t):
+                return _finding("reduced gradient", "accum-boundary",
+                                f"the reduced gradient of {_label(name)} is {alt}: the gradient accumulation "
+                                f"boundary (grad_accum = {v.sizes.grad_accum})", where, alternative=alt)
+    scales = {n: _scale(a, e) for n, (a, e) in wrong.items()}
+    fitted = [c for c in scales.values() if c is not None]
+    common = fitted[0] if fitted and len(fitted) == len(scales) and all(
+        abs(c - fitted[0]) <= SCALE_MATCH_RTOL * abs(fitted[0]) for c in fitted) else None
+    if common is not None and groups == ["experts"]:
+        why = v.sizes.explain(common)
+        return _finding("reduced gradient", "expert-grad-scale",
+                        f"expert gradients scaled by {common:.4g} (dense and gate right): "
+                        + ("; ".join(why) if why else f"no group size of this row gives it (world {v.sizes.world}, "
+                           f"dp {v.sizes.dp}, ep {v.sizes.ep}, edp {v.sizes.edp})"),
+                        where, scale=common, explanations=why)
+    if common is not None and len(wrong) == len(v.grads):
+        return _finding("reduced gradient", "loss-scale",
+                        f"every reduced gradient scaled by {common:.4g}: the loss scale (or 1/grad_accum) is not "
+                        "undone, or undone twice", where, scale=common)
+    c = next(c for c in v.comparisons if not c.passed and _label(first) in c.name and "reduced grad" in c.name)
+    d = c.diagnosis or {"name": "unexplained", "sentence": "differs"}
+    return _finding("reduced gradient", "reduced-grad-wrong",
+                    f"reduced gradient of {_label(first)} wrong ({d['name']}: {d['sentence']})", where,
+                    diagnosis=d["name"])
+
+
+BF16_FIT_RTOL = 0.05
+"""In bf16 a group's gradient is `c x the reference's` when the rest is within 5 % of it (relative L2):
+bf16 noise is ~0.5 % here (the noise model's distances), a wrong share of a gradient leaves >= 20 %."""
+
+
+def _group_fit(pairs: list) -> tuple[float, float] | None:
+    """(c, relative L2 residual) of the least-squares fit actual = c x expected over a group's tensors."""
+    ae = sum(float((a * e).sum()) for a, e in pairs)
+    ee = sum(float((e * e).sum()) for _, e in pairs)
+    if ee == 0:
+        return None
+    c = ae / ee
+    resid = sum(float(((a - c * e) ** 2).sum()) for a, e in pairs)
+    aa = sum(float((a * a).sum()) for a, _ in pairs)
+    return c, (resid / aa) ** 0.5 if aa > 0 else 0.0
+
+
+def _bf16_finding(v: StepView, noise, tag: str) -> dict[str, Any]:
+    """A bf16 row whose gradient is farther from fp32 than the noise model allows: a group scaled by one
+    factor is named as in fp32 (with a looser fit: bf16 noise), else the distance is the finding."""
+    fits = {}
+    for g in ("experts", "dense", "gate"):
+        pairs = [ae for n, ae in v.grads.items() if _group(n) == g]
+        fit = _group_fit(pairs) if pairs else None
+        if fit is not None:
+            fits[g] = fit
+    scaled = {g: c for g, (c, resid) in fits.items() if resid <= BF16_FIT_RTOL and abs(c - 1) > BF16_FIT_RTOL}
+    right = {g for g, (c, resid) in fits.items() if resid <= BF16_FIT_RTOL and abs(c - 1) <= BF16_FIT_RTOL}
+    if set(scaled) == {"experts"} and right == set(fits) - {"experts"}:
+        k = scaled["experts"]
+        why = v.sizes.explain(k)
+        return _finding("reduced gradient", "expert-grad-scale",
+                        f"expert gradients scaled by {k:.3g} (bf16; dense and gate right within the noise): "
+                        + ("; ".join(why) or "no group size of this row gives it"), f"{tag}, experts", scale=k,
+                        explanations=why)
+    if scaled and set(scaled) == set(fits) and max(scaled.values()) - min(scaled.values()) <= BF16_FIT_RTOL:
+        k = next(iter(scaled.values()))
+        return _finding("reduced gradient", "loss-scale",
+                        f"every reduced gradient scaled by {k:.3g} (bf16): the loss scale (or 1/grad_accum) is not "
+                        "undone, or undone twice", f"{tag}, all groups", scale=k)
+    return _finding("reduced gradient", "bf16-noise", f"{noise.name.split(': ', 1)[1]}: {noise.note}",
+                    f"{tag}, all groups")
+
+
+def _update_finding(v: StepView, wrong: dict, tag: str, *, grads_read: bool) -> dict[str, Any]:
+    groups = sorted({_group(n) for n in wrong})
+    first = next(iter(wrong))
+    where = f"{tag}, {'/'.join(groups)} ({_label(first)})"
+    factors = _common_factors(v.updates, v.afters, v.sizes.world)
+    clip = v.settings.get("clip", 0.0)
+    if clip > 0 and factors is not None:
+        shown = ", ".join(f"{f:.4g}" for f in factors)
+        implied = clip / (factors[0] * v.clip_coef()) - 1e-6 if len(factors) == 1 else None
+        return _finding("update", "global-norm",
+                        ("reduced gradients right; " if grads_read else "")
+                        + f"every update on rank {v.rank} is the reference's scaled by one common factor per "
+                        f"rank or ZeRO partition ({shown}): the global gradient norm or the clip coefficient differs",
+                        f"{tag}, all groups", factors=factors, engine_norm=implied, ref_norm=v.ref_norm,
+                        own_norm=v.own_norm())
+    if not grads_read:
+        scales = {n: _scale(a, e) for n, (a, e) in wrong.items()}
+        fitted = [c for c in scales.values() if c is not None]
+        if groups == ["experts"] and fitted and len(fitted) == len(scales) and all(
+                abs(c - fitted[0]) <= SCALE_MATCH_RTOL * abs(fitted[0]) for c in fitted):
+            why = v.sizes.explain(fitted[0])
+            return _finding("update", "expert-grad-scale",
+                            f"expert updates scaled by {fitted[0]:.4g} (dense and gate right; the reduced gradients "
+                            "cannot be read here): " + ("; ".join(why) or "no group size of this row gives it"),
+                            where, scale=fitted[0], explanations=why)
+    landed = _landed_elsewhere(v.afters, wrong)
+    return _finding("update", "partition-copy-back",
+                    ("reduced gradients right, applied step wrong" if grads_read
+                     else "applied step wrong (reduced gradients not readable here)")
+                    + f" in {_label(first)}" + (f" ({landed})" if landed else "")
+                    + ": the partitioning or the copy back into the parameters", where, landed=landed)
+
+
+def _common_factors(updates: dict, afters: dict, world: int) -> list[float] | None:
+    """The distinct factors actual / expected of every update element (at most `world` of them, each a
+    tight cluster), or None when the updates are not piecewise one factor."""
+    ratios = []
+    for name, (a, e) in updates.items():
+        before = afters[name][0] - a
+        keep = e.abs() >= RATIO_ULPS * torch.finfo(torch.float32).eps * float(before.abs().max())
+        if bool(keep.any()):
+            ratios.append((a[keep] / e[keep]).flatten())
+    if not ratios:
+        return None
+    rho, _ = torch.sort(torch.cat(ratios))
+    clusters, start = [], 0
+    for i in range(1, len(rho) + 1):
+        if i == len(rho) or abs(float(rho[i] - rho[i - 1])) > CLUSTER_RTOL * abs(float(rho[i - 1])):
+            clusters.append(rho[start:i])
+            start = i
+    if len(clusters) > world:
+        return None
+    factors = [float(c.mean()) for c in clusters]
+    if all(abs(f - 1.0) <= CLUSTER_RTOL for f in factors):
+        return None
+    return factors
+
+
+def _landed_elsewhere(afters: dict, wrong: dict) -> str:
+    """"A holds B's updated values" when a wrongly updated parameter equals another one's reference."""
+    for name in wrong:
+        a = afters[name][0]
+        for other, (_, e) in afters.items():
+            if other != name and e.shape == a.shape and _close(a, e):
+                return f"{_label(name)} holds the updated values of {_label(other)}"
+    return ""
+
+
+def combine(findings: list, *, sizes: GroupSizes, zero_stage: int, step: int) -> dict[str, Any]:
+    """The row's first divergence from every rank's finding: the earliest phase, then the lowest rank."""
+    ranked = [(f["phase"], r, f) for r, f in enumerate(findings) if f is not None]
+    if not ranked:  # a rank saw a failure the analysis does not cover (e.g. a non-numeric assertion)
+        return {"name": "unexplained", "sentence": f"ZeRO {zero_stage}, step {step}: differs", "details": {}}
+    phase, rank, f = min(ranked, key=lambda t: (t[0], t[1]))
+    ranks = [r for p, r, g in ranked if p == phase and g["name"] == f["name"]]
+    on = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+    sentence = f"first divergence at ZeRO {zero_stage}, {f['where']}, on {on}: {f['sentence']}"
+    if f["name"] == "global-norm":
+        sentence += _which_norm([g for g in findings if g is not None and g["name"] == "global-norm"], len(findings))
+    return {"name": f["name"], "sentence": sentence,
+            "details": {FIRST_DIVERGENCE: True, "zero_stage": zero_stage, "step": step, "where": f["where"],
+                        "phase": PHASES[phase], "ranks": ranks, **f["details"]}}
+
+
+NORM_MATCH_RTOL = 1e-3
+"""An engine's global norm (read, or implied by its clip factor) matches a candidate norm within 0.1 %:
+clip factors are read to ~5e-4 (CLUSTER_RTOL / 4), candidates differ by >= 1 % in every case seen."""
+
+
+def _which_norm(findings: list, world: int) -> str:
+    """Which wrong norm the engine used, when every rank's finding tells (a global-norm clause)."""
+    if len(findings) != world or any(g["details"].get("engine_norm") is None for g in findings):
+        return ""
+    engine = [g["details"]["engine_norm"] for g in findings]
+    own = [g["details"]["own_norm"] for g in findings]
+    ref = findings[0]["details"]["ref_norm"]
+
+    def near(a: float, b: float) -> bool:
+        return abs(a - b) <= NORM_MATCH_RTOL * abs(b)
+
+    mean_own = sum(own) / len(own)
+    if all(near(e, mean_own) for e in engine) and not near(mean_own, ref):
+        return (f"; the engine's norm {engine[0]:.4g} is the MEAN over ranks of each rank's own-parameter norm "
+                f"(its own experts only), not the norm over every parameter ({ref:.4g}, each expert once)")
+    if all(near(e, o) for e, o in zip(engine, own)) and not all(near(o, ref) for o in own):
+        return (f"; each rank's norm ({', '.join(f'{e:.4g}' for e in engine)}) is its own parameters' alone, "
+                f"not the norm over every parameter ({ref:.4g})")
+    if not all(near(e, engine[0]) for e in engine):
+        return (f"; the ranks disagree on the global norm ({', '.join(f'{e:.4g}' for e in engine)}): each used a "
+                f"norm of its own, not the one over every parameter ({ref:.4g})")
+    return ""
+
+
+def first_divergence_comparison(finding: dict, *, rank: int) -> Comparison:
+    """The row's first comparison: failed, carrying the finding as its diagnosis."""
+    return Comparison(name=f"first divergence: {finding['details'].get('where', '')}", passed=False, rank=rank,
+                      kind="equal", note=finding["sentence"], diagnosis=finding)

@@ -1,0 +1,235 @@
+"""DeepSpeed's engine rows (moebench/libraries/ds_engine.py): the matrix, the rows on the pinned release
+(a fast subset here, the whole W = 4 matrix in the slow tier), the finding on it, and every injected
+fault of tests/faults/ds_faults.py caught and named by mechanism at the stage, step and group it hits."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moebench.libraries import ds_engine, ds_mechanisms, runner
+from moebench.parity.runner import ParityConfig, run_checks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "faults"))
+import ds_faults  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+DS_API_PARAMS = ("zero_stage", "ep_size", "grad_accum", "clip", "precision", "top_k", "drop_tokens",
+                 "use_residual", "steps")
+
+
+def _rows(world_size: int, keys: list[str]) -> dict[str, dict]:
+    """Run the named engine rows (keys without the "deepspeed/engine/" prefix) -> rows_of by key."""
+    checks = [c for c in runner.row_checks(["deepspeed"], (world_size,))
+              if c.name.removeprefix("deepspeed/engine/") in keys]
+    assert len(checks) == len(keys), [c.name for c in checks]
+    with runner.registered(checks):
+        summary = run_checks(ParityConfig(world_size=world_size, timeout_s=120.0,
+                                          checks=tuple(c.name for c in checks)))
+    return {r["check"].removeprefix("deepspeed/engine/"): r for r in runner.rows_of(summary)}
+
+
+# ------------------------------------------------------------------ the matrix (no ranks)
+
+
+def test_the_w4_matrix_has_every_stage_ep_size_and_feature_once():
+    from moebench.libraries.deepspeed import ADAPTER
+
+    rows = [r for r in ADAPTER.rows(4) if r.model == "engine"]
+    assert len(rows) == 3 * 3 * 4 + 3 * 3 == 45
+    assert len({r.key() for r in rows}) == len(rows)
+    for r in rows:
+        params = dict(r.params)
+        assert tuple(params) == DS_API_PARAMS
+        assert (r.backend, r.ep_mode) == (f"zero{params['zero_stage']}", f"ep={params['ep_size']}")
+        assert len(r.features) <= 1 and r.variant == "+".join(r.features)
+    combos = {(dict(r.params)["zero_stage"], dict(r.params)["ep_size"], r.features) for r in rows}
+    for stage in (0, 1, 2):
+        for ep in (4, 2, 1):
+            for feature in ((), ("grad-accum",), ("clip",), ("bf16",)):
+                assert (stage, ep, feature) in combos
+        for option in ("top-2", "drops", "residual"):
+            assert (stage, 4, (option,)) in combos
+    clip = next(r for r in rows if r.features == ("clip",))
+    assert dict(clip.params)["clip"] == ds_engine.CLIP and dict(clip.params)["grad_accum"] == 1
+
+
+def test_a_user_config_gives_one_plain_row_per_ep_size():
+    from moebench.libraries.deepspeed import ADAPTER
+
+    rows = ADAPTER.rows(4, user_config={"zero_stage": 2, "clip": 1.0, "grad_accum": 4, "precision": "fp32"})
+    assert [dict(r.params)["ep_size"] for r in rows] == [4, 2, 1]
+    assert all(dict(r.params)["zero_stage"] == 2 and dict(r.params)["grad_accum"] == 4 for r in rows)
+    assert [r.key() for r in rows][0] == "deepspeed/engine/zero2/ep=4/w4/ds-config"
+
+
+def test_group_sizes_name_what_gives_a_scale():
+    sizes = ds_mechanisms.GroupSizes(world=4, dp=4, ep=2, edp=2, grad_accum=1)
+    assert sizes.explain(2.0) == ["divided by ep = 2 instead of dp = 4", "divided by edp = 2 instead of dp = 4"]
+    assert sizes.explain(0.5) == ["divided by ep = 2 once too often", "divided by edp = 2 once too often"]
+    assert sizes.explain(1.5) == []
+
+
+# ------------------------------------------------------------------ the pinned release (multirank)
+
+
+@pytest.mark.multirank
+def test_engine_rows_on_the_pinned_release_and_its_finding():
+    """The unbroken rows pass; ZeRO 0 with clipping at ep_size < W is DeepSpeed's own finding (its
+    clip_grad_norm_ averages per-rank norms: deepspeedai/DeepSpeed#8475), named by mechanism."""
+    pytest.importorskip("deepspeed")
+    rows = _rows(2, ["zero1/ep=2/w2", "zero2/ep=1/w2/grad-accum", "zero2/ep=2/w2/bf16", "zero1/ep=2/w2/drops",
+                     "zero0/ep=1/w2/clip", "zero0/ep=2/w2/clip"])
+    for key in ("zero1/ep=2/w2", "zero2/ep=1/w2/grad-accum", "zero2/ep=2/w2/bf16", "zero1/ep=2/w2/drops",
+                "zero0/ep=1/w2/clip"):
+        assert rows[key]["verdict"] == "pass", (key, rows[key]["diagnosis"])
+    finding = rows["zero0/ep=2/w2/clip"]
+    assert finding["verdict"] == "fail" and finding["diagnosis_name"] == "global-norm"
+    assert "first divergence at ZeRO 0, step 1" in finding["diagnosis"]
+    assert "MEAN over ranks of each rank's own-parameter norm" in finding["diagnosis"]
+    assert "consequences, not causes" in finding["diagnosis"]
+    assert {k: finding[k] for k in ("library", "zero_stage", "ep_size", "world_size", "features", "clip")} == {
+        "library": "deepspeed", "zero_stage": 0, "ep_size": 2, "world_size": 2, "features": ["clip"], "clip": 0.05}
+
+
+# ------------------------------------------------------------------ injected faults (multirank)
+
+
+def _with_fault(monkeypatch, name: str, world_size: int, keys: list[str]) -> dict[str, dict]:
+    ds_faults.FAULTS[name](monkeypatch.setattr)  # the ranks fork from this process: they inherit it
+    return _rows(world_size, keys)
+
+
+@pytest.mark.multirank
+@pytest.mark.faults
+def test_expert_grads_divided_by_the_wrong_group_are_named_at_zero_1_and_2_only(monkeypatch):
+    pytest.importorskip("deepspeed")
+    rows = _with_fault(monkeypatch, "expert-grad-wrong-group", 2, ["zero0/ep=2/w2", "zero2/ep=2/w2"])
+    assert rows["zero0/ep=2/w2"]["verdict"] == "pass"  # the fault is in the ZeRO optimizer's reduction
+    row = rows["zero2/ep=2/w2"]
+    assert row["verdict"] == "fail" and row["diagnosis_name"] == "expert-grad-scale"
+    assert "first divergence at ZeRO 2, step 1, experts" in row["diagnosis"]
+    assert "expert gradients scaled by 2 (dense and gate right): divided by edp = 1 instead of dp = 2" \
+        in row["diagnosis"]
+
+
+@pytest.mark.multirank
+@pytest.mark.faults
+def test_a_rank_local_global_norm_is_named(monkeypatch):
+    pytest.importorskip("deepspeed")
+    row = _with_fault(monkeypatch, "local-global-norm", 2, ["zero1/ep=1/w2/clip"])["zero1/ep=1/w2/clip"]
+    assert row["verdict"] == "fail" and row["diagnosis_name"] == "global-norm"
+    assert "first divergence at ZeRO 1, step 1, all groups" in row["diagnosis"]
+    assert "reduced gradients right; the engine's global gradient norm is" in row["diagnosis"]
+    assert "the ranks disagree on the global norm" in row["diagnosis"]
+
+
+@pytest.mark.multirank
+@pytest.mark.faults
+def test_a_skipped_reduction_at_the_accumulation_boundary_is_named(monkeypatch):
+    pytest.importorskip("deepspeed")
+    rows = _with_fault(monkeypatch, "accum-boundary-skip", 2, ["zero0/ep=2/w2/grad-accum", "zero0/ep=2/w2"])
+    assert rows["zero0/ep=2/w2"]["verdict"] == "pass"  # one micro-step: the fault never fires
+    row = rows["zero0/ep=2/w2/grad-accum"]
+    assert row["verdict"] == "fail" and row["diagnosis_name"] == "accum-boundary"
+    assert "first divergence at ZeRO 0, step 1" in row["diagnosis"]
+    assert "this rank's own micro-steps, never reduced at the boundary" in row["diagnosis"]
+
+
+@pytest.mark.multirank
+@pytest.mark.faults
+def test_a_partition_copied_back_to_the_wrong_parameter_is_named(monkeypatch):
+    pytest.importorskip("deepspeed")
+    row = _with_fault(monkeypatch, "copy-back-wrong-param", 2, ["zero2/ep=1/w2"])["zero2/ep=1/w2"]
+    assert row["verdict"] == "fail" and row["diagnosis_name"] == "partition-copy-back"
+    assert "first divergence at ZeRO 2, step 1, dense (inp.weight)" in row["diagnosis"]
+    assert "reduced gradients right, applied step wrong in inp.weight (inp.weight holds the updated values " \
+           "of out.weight)" in row["diagnosis"]
+
+
+# ------------------------------------------------------------------ slow: the whole W = 4 matrix
+
+
+FINDINGS_W4 = {"zero0/ep=4/w4/clip", "zero0/ep=2/w4/clip"}
+"""The rows DeepSpeed 0.19.8 fails here (its ZeRO 0 clip norm; deepspeedai/DeepSpeed#8475)."""
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_the_w4_matrix_through_the_cli_json(tmp_path):
+    pytest.importorskip("deepspeed")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "moebench", "verify-parity", "--library", "deepspeed",
+                           "--world-size", "4", "--json", "--results-dir", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    rows = {r["check"].removeprefix("deepspeed/engine/"): r for r in json.loads(proc.stdout)["rows"]}
+    engine = {k: r for k, r in rows.items() if "/" in k and k.startswith("zero")}
+    assert len(engine) == 45
+    for key, row in engine.items():
+        for field in ("library", "version", "zero_stage", "ep_size", "world_size", "features", "verdict",
+                      "diagnosis"):
+            assert field in row
+        if key in FINDINGS_W4:
+            assert row["verdict"] == "fail" and row["diagnosis_name"] == "global-norm", key
+            assert "MEAN over ranks" in row["diagnosis"]
+        else:
+            assert row["verdict"] == "pass", (key, row["diagnosis"])
+
+
+FAULT_ROWS_W4 = {
+    # fault: {row: (diagnosis name, text it must hold)}; rows not named in a fault's dict pass under it
+    "expert-grad-wrong-group": {
+        "zero1/ep=4/w4": ("expert-grad-scale", "ZeRO 1, step 1, experts"),
+        "zero2/ep=2/w4": ("expert-grad-scale", "divided by edp = 2 instead of dp = 4"),
+        "zero2/ep=4/w4/bf16": ("expert-grad-scale", "expert gradients scaled by 4 (bf16"),
+        "zero0/ep=4/w4": None, "zero1/ep=1/w4": None},
+    "local-global-norm": {
+        "zero1/ep=1/w4/clip": ("global-norm", "ZeRO 1, step 1, all groups"),
+        "zero2/ep=1/w4/clip": ("global-norm", "the ranks disagree on the global norm"),
+        "zero2/ep=4/w4/clip": ("global-norm", "the ranks disagree on the global norm"),
+        "zero1/ep=1/w4": None},
+    "accum-boundary-skip": {
+        "zero0/ep=4/w4/grad-accum": ("accum-boundary", "never reduced at the boundary"),
+        "zero0/ep=1/w4/grad-accum": ("accum-boundary", "ZeRO 0, step 1"),
+        "zero0/ep=2/w4": None},
+    "copy-back-wrong-param": {
+        "zero1/ep=2/w4": ("partition-copy-back", "holds the updated values of out.weight"),
+        "zero2/ep=4/w4/grad-accum": ("partition-copy-back", "ZeRO 2, step 1"),
+        "zero0/ep=4/w4": None},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.faults
+@pytest.mark.parametrize("fault", sorted(FAULT_ROWS_W4))
+def test_every_fault_at_w4(monkeypatch, fault):
+    pytest.importorskip("deepspeed")
+    expected = FAULT_ROWS_W4[fault]
+    rows = _with_fault(monkeypatch, fault, 4, list(expected))
+    for key, want in expected.items():
+        row = rows[key]
+        if want is None:
+            assert row["verdict"] == "pass", (key, row["diagnosis"])
+            continue
+        name, text = want
+        assert row["verdict"] == "fail" and row["diagnosis_name"] == name, (key, row["diagnosis"])
+        assert text in row["diagnosis"], (key, row["diagnosis"])
+        assert "first divergence" in row["diagnosis"]
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.faults
+def test_the_old_engine_check_is_blind_to_the_norm_and_accumulation_faults(monkeypatch):
+    """Why the rows exist: deepspeed-engine-ep (no clipping, no accumulation) passes under both faults."""
+    pytest.importorskip("deepspeed")
+    ds_faults.FAULTS["local-global-norm"](monkeypatch.setattr)
+    ds_faults.FAULTS["accum-boundary-skip"](monkeypatch.setattr)
+    record = run_checks(ParityConfig(world_size=2, checks=("deepspeed-engine-ep",), timeout_s=120.0))["checks"][0]
+    assert record["status"] == "pass"
