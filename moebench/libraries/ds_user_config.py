@@ -26,6 +26,9 @@ OPTIMIZER_WHY = ("Adam divides each step by the gradient's own running size, so 
 HONOURED_KEYS = ("zero_optimization", "gradient_clipping", "gradient_accumulation_steps", "fp16", "bf16",
                  "bfloat16", "optimizer", "scheduler", "train_batch_size", "train_micro_batch_size_per_gpu")
 """Top-level keys this module reads or names on its own line; every other key gets one shared line."""
+LOGGING_KEYS = ("steps_per_print", "wall_clock_breakdown", "comms_logger", "flops_profiler", "tensorboard", "wandb",
+                "csv_monitor", "comet", "dump_state", "memory_breakdown")
+"""Top-level keys that change only what DeepSpeed logs: not worth a note."""
 ZERO_KEYS_READ = ("stage", "offload_optimizer", "offload_param")
 """zero_optimization keys with their own handling; its other keys (bucket sizes, overlap_comm, ...) are listed."""
 
@@ -71,11 +74,17 @@ def read_user_config(path: str) -> tuple[dict[str, Any], list[str]]:
     if any(k in user for k in ("train_batch_size", "train_micro_batch_size_per_gpu")):
         notes.append("train_batch_size / micro batch: not used; every row runs the small model's own "
                      "global batch, as its one-process reference does")
-    others = [k for k in user if k not in HONOURED_KEYS]
+    others = [k for k in user if k not in HONOURED_KEYS and k not in LOGGING_KEYS]
     others += [f"zero_optimization.{k}" for k in zero if k not in ZERO_KEYS_READ]
     if others:
         notes.append(f"not passed on (DeepSpeed's defaults are used): {', '.join(others)}")
     return settings, notes
+
+
+def verified_line(settings: dict[str, Any]) -> str:
+    """What the rows verify, in the file's own terms."""
+    return (f"verifies ZeRO {settings['zero_stage']}, gradient_clipping {settings['clip']:g}, "
+            f"gradient_accumulation_steps {settings['grad_accum']}, {settings['precision']}, SGD")
 
 
 def _show(value: Any) -> str:
