@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from moebench.bounds import Items, Name, Text
+from moebench.bounds import Items, Name, Path, Text
 from moebench.cli import flags
 from moebench.distributed.env import is_printer as _is_printer
 from moebench.errors import UserError
@@ -36,6 +36,7 @@ BOUNDS = {
     "--library": Items(item=Name(what="library", choices=_library_names_known,
                                   listed_by="moebench verify-parity --list"), example="fairscale"),
     "--impl": Text(what="KEY=package.module:attribute", pattern=r"[a-z-]+=[A-Za-z_][\w.]*:[A-Za-z_][\w.]*"),
+    "--ds-config": Path(folder=False, must_exist=True),
 }
 """verify-parity's own valued options (the shared ones carry their config field's bound)."""
 
@@ -202,6 +203,36 @@ def _print_library_table(summary: dict) -> None:
     typer.echo(f"saved to {summary['run_path']}")
 
 
+def _ds_config(path: str, library: Optional[str], checks: Optional[str]) -> tuple[str, dict, dict]:
+    """--ds-config: (the --library value it implies, user_configs, the summary's "ds_config")."""
+    import os
+
+    from moebench.libraries.ds_user_config import read_user_config
+
+    if checks is not None:
+        raise UserError("verifies the DeepSpeed engine rows, not checks; drop --checks or --ds-config",
+                        flag="--ds-config")
+    if library is not None and "deepspeed" not in _library_names(library):
+        raise UserError("verifies DeepSpeed's rows; add deepspeed to --library or drop --ds-config",
+                        flag="--ds-config")
+    settings, notes = read_user_config(path)
+    return library or "deepspeed", {"deepspeed": settings}, {
+        "ds_config": {"path": os.path.abspath(path), "settings": settings, "notes": notes}}
+
+
+def _print_notes(path: str, ds_config: dict) -> None:
+    import os
+    import textwrap
+
+    from moebench.libraries.ds_user_config import verified_line
+    from moebench.libraries.table import WIDTH
+
+    typer.echo(f"--ds-config {os.path.basename(path)[:WIDTH - 12]}:")  # the whole path is in summary.json
+    for note in (verified_line(ds_config["settings"]), *ds_config["notes"]):
+        typer.echo("\n".join(textwrap.wrap(note, WIDTH, initial_indent="  ", subsequent_indent="    ",
+                                           break_on_hyphens=False)))
+
+
 def _library_names(library: Optional[str]) -> list[str]:
     names = list(dict.fromkeys(n.strip() for n in (library or "").split(",") if n.strip()))
     if not names:
@@ -260,6 +291,11 @@ def verify_parity(
         help="Verify installed MoE libraries instead of the checks: each library's rows (model x backend x "
         "EP mode) at world sizes 2 and 4, or at --world-size when given (see --list; docs/libraries.md).",
     ),
+    ds_config: Optional[str] = flags.bounded_option(
+        None, "--ds-config", bound=BOUNDS["--ds-config"], metavar="FILE",
+        help="Verify your DeepSpeed config: its ZeRO stage, gradient_clipping, gradient_accumulation_steps "
+        "and precision on the engine rows, optimizer replaced by SGD (implies --library deepspeed).",
+    ),
 ) -> None:
     """Run the parity checks: exit 0 when all ran passed, 1 when any failed or none ran, 2 on bad input."""
     if list_checks:
@@ -267,6 +303,9 @@ def verify_parity(
         return
     if library is not None and checks is not None:
         raise UserError("runs the library rows, not checks; drop --checks or --library", flag="--library")
+    user_configs, summary_extra = None, None
+    if ds_config is not None:
+        library, user_configs, summary_extra = _ds_config(ds_config, library, checks)
     import contextlib
     import functools
 
@@ -301,7 +340,10 @@ def verify_parity(
         names = _library_names(library)
         sizes = DEFAULT_WORLD_SIZES if world_size is None else (world_size,)
         require_ranks_fit(max(sizes))
-        execute = functools.partial(verify_libraries, names, sizes, config_fields=config_fields(config))
+        execute = functools.partial(verify_libraries, names, sizes, config_fields=config_fields(config),
+                                    user_configs=user_configs, summary_extra=summary_extra)
+        if summary_extra and _is_printer() and not as_json:
+            _print_notes(ds_config, summary_extra["ds_config"])
     try:
         with quiet_stdout:
             summary = execute(config, results_dir=results_dir, on_record=progress) if library is None else \

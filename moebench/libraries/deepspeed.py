@@ -10,6 +10,16 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
 from moebench.libraries.base import InstalledLibrary, Row
 from moebench.parity.registry import load_all
 
@@ -21,6 +31,45 @@ ROWS = (
 )
 """Rows that run an existing check (the engine rows are ds_engine's: they supersede deepspeed-engine-ep)."""
 
+IMPORT_PROBE_TIMEOUT_S = 120.0
+"""Bound on the import probe (`import deepspeed` and its MoE layer in a child): a cold import of a
+freshly installed release compiles its .pyc files, ~30-70 s on this 2-core machine under load."""
+_IMPORT_PROBE = ("import os, torch; os.environ.setdefault('DS_ACCELERATOR', 'cuda' if torch.cuda.is_available() "
+                 "else 'cpu'); import deepspeed; from deepspeed.moe.layer import MoE")
+"""What a run needs from DeepSpeed before its ranks start, as the run sets it up (set_accelerator_env)."""
+
+
+def source_version(package_dir: Path) -> str | None:
+    """The version a DeepSpeed source tree says it is, without importing it: the `version='...'` line
+    its build writes into git_version_info_installed.py, else its version.txt."""
+    for name, pattern in (("git_version_info_installed.py", r"^version\s*=\s*['\"]([^'\"]+)['\"]"),
+                          ("../version.txt", r"^\s*(\S+)")):
+        try:
+            text = (package_dir / name).read_text(encoding="utf-8", errors="replace")[:4096]
+        except OSError:
+            continue
+        match = re.search(pattern, text, re.MULTILINE)
+        if match:
+            return match.group(1)
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def _import_problem(origin: str) -> str | None:
+    """One line why `import deepspeed` (found at `origin`) fails here; None when it imports. Runs in
+    a child: a failing import must not leave half a DeepSpeed in this process."""
+    try:
+        done = subprocess.run([sys.executable, "-c", _IMPORT_PROBE], capture_output=True, text=True,
+                              timeout=IMPORT_PROBE_TIMEOUT_S, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    except subprocess.TimeoutExpired:
+        return f"importing it took more than {IMPORT_PROBE_TIMEOUT_S:.0f} s"
+    if done.returncode == 0:
+        return None
+    lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
+    last = next((line for line in reversed(lines) if re.match(r"^[A-Za-z_.]*(Error|Exception)\b", line)),
+                lines[-1] if lines else f"exit code {done.returncode}")
+    return f"does not import here: {re.sub(r' ?[(]/[^)]*[)]', '', last)}"  # without the "(/path/file.py)"
+
 
 class DeepSpeed(InstalledLibrary):
     name = "deepspeed"
@@ -31,12 +80,28 @@ class DeepSpeed(InstalledLibrary):
     preload = ("deepspeed", "deepspeed.moe.layer")
     """Imported once in the parent before the ranks fork (as the wrapped checks do)."""
 
+    def version(self) -> str | None:
+        """The version of the DeepSpeed that `import deepspeed` loads: the distribution's metadata when
+        it describes that copy (a `pip install --target` copy first on PYTHONPATH carries its own), else
+        the version its source tree records (a checkout on PYTHONPATH has no metadata of its own)."""
+        spec = importlib.util.find_spec(self.import_name)
+        if spec is None or not spec.origin:
+            return None
+        origin = Path(spec.origin).resolve()
+        try:
+            dist = importlib.metadata.distribution(self.dist_name)
+            if Path(dist.locate_file(f"{self.import_name}/__init__.py")).resolve() == origin:
+                return dist.version
+        except importlib.metadata.PackageNotFoundError:
+            pass
+        return source_version(origin.parent)
+
     def unavailable(self) -> str | None:
         if super().unavailable():  # a dependency of moebench itself, not an extra
             return "not installed: pip install -c moebench/constraints.txt deepspeed (a moebench dependency)"
-        return None
+        return _import_problem(importlib.util.find_spec(self.import_name).origin)
 
-    def rows(self, world_size: int, user_config: dict | None = None) -> list[Row]:
+    def rows(self, world_size: int, user_config: dict[str, Any] | None = None) -> list[Row]:
         """The matrix at `world_size`; with `user_config` (zero_stage / clip / grad_accum / precision from
         a user's DeepSpeed config) one engine row per ep_size dividing W with those settings instead."""
         from moebench.libraries import ds_engine

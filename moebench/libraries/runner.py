@@ -32,14 +32,19 @@ def _row_rank(name: str, row: Row, ctx, opts: CheckOptions) -> list:
     return adapter.run_row(ctx, row, opts)
 
 
-def row_checks(names: list[str], world_sizes: tuple[int, ...]) -> list[Check]:
+def row_checks(names: list[str], world_sizes: tuple[int, ...], *,
+               user_configs: dict[str, dict[str, Any]] | None = None) -> list[Check]:
     """One check per row of the named libraries at each world size, in that order (not registered:
-    see `registered`)."""
+    see `registered`). `user_configs` maps a library's name to the user's own settings (--ds-config):
+    that adapter's rows are then `adapter.rows(world_size, user_config=...)`."""
     checks: list[Check] = []
     for adapter in registry.require(names):
         version = adapter.version() or "?"
+        user_config = (user_configs or {}).get(adapter.name)
         for world_size in world_sizes:
-            for row in adapter.rows(world_size):
+            rows = adapter.rows(world_size) if user_config is None else adapter.rows(world_size,
+                                                                                     user_config=user_config)
+            for row in rows:
                 labels = {"library": row.library, "version": version, "model": row.model, "backend": row.backend,
                           "ep_mode": row.ep_mode, "world_size": row.world_size, "features": tuple(row.features),
                           **dict(row.params)}
@@ -99,17 +104,23 @@ def with_rows(summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def verify_libraries(names: list[str], world_sizes: tuple[int, ...], *, config_fields: dict[str, Any],
-                     results_dir: str | None = None, on_record: Callable | None = None) -> dict[str, Any]:
-    """Run the rows of `names` at `world_sizes` through verify_parity; the summary has "rows"."""
+                     results_dir: str | None = None, on_record: Callable | None = None,
+                     user_configs: dict[str, dict[str, Any]] | None = None,
+                     summary_extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run the rows of `names` at `world_sizes` through verify_parity; the summary has "rows" (and the
+    keys of `summary_extra`, e.g. "ds_config"). `user_configs`: see row_checks."""
     from moebench.distributed.launch import under_torchrun
     from moebench.parity.runner import ParityConfig, verify_parity
 
     if under_torchrun():  # the job's world is the only one there is
         world_sizes = (int(os.environ["WORLD_SIZE"]),)
-    with registered(row_checks(names, world_sizes)) as checks:
+    def decorate(summary: dict[str, Any]) -> dict[str, Any]:
+        return {**with_rows(summary), **(summary_extra or {})}
+
+    with registered(row_checks(names, world_sizes, user_configs=user_configs)) as checks:
         config = ParityConfig(**{**config_fields, "world_size": max(world_sizes),
                                  "checks": tuple(c.name for c in checks)})
-        return verify_parity(config, results_dir=results_dir, on_record=on_record, decorate=with_rows)
+        return verify_parity(config, results_dir=results_dir, on_record=on_record, decorate=decorate)
 
 
 def config_fields(config) -> dict[str, Any]:

@@ -6,8 +6,9 @@ expert parallelism) and only:
 - records what the gate decided on every forward, read from the gate's own outputs through a
   forward hook: `exp_counts` (demand per expert, BEFORE capacity drops), the capacity of each
   expert's buffer, the routes kept per expert, the routes dropped at capacity (DeepSpeed marks
-  an evicted route with expert index -1 in the sparse routing it hands to the dispatcher) and the
-  tokens that lost all k routes;
+  an evicted route with expert index -1 in the sparse routing it hands to the dispatcher; releases
+  before 0.19.x hand it a dense dispatch mask instead, read the same way) and the tokens that lost
+  all k routes;
 - gives every global expert its own seeded initial weights. DeepSpeed deep-copies ONE expert
   module into every local slot, so out of the box all experts start identical, and expert g's
   weights would depend on which rank holds it. Seeding by (seed, layer, global expert index)
@@ -45,6 +46,42 @@ class RoutingRecord:
     """Tokens routed (this rank's batch x seq)."""
     dropped_tokens: int
     """Tokens all of whose k routes were evicted: their MoE output is zero."""
+
+
+SPARSE_GATE_OUTPUT = 7
+"""Items of the sparse routing the gate returns when MOELayer asks for it (DeepSpeed 0.19.x onward, and
+older releases on their Tutel path): (l_aux, capacity, experts, indices [k, s], locations [k, s],
+gates [k, s], exp_counts); a route evicted at capacity has index -1."""
+DENSE_GATE_OUTPUT = 4
+"""Items of the dense routing older releases' MOELayer uses: (l_aux, combine_weights [s, e, c],
+dispatch_mask [s, e, c], exp_counts); a kept route is one True slot of dispatch_mask."""
+
+
+def routing_record(output: tuple, *, top_k: int) -> RoutingRecord:
+    """What the gate decided, from either form of its output (see SPARSE_GATE_OUTPUT and
+    DENSE_GATE_OUTPUT); `top_k` is the gate's k (the dense form does not carry it)."""
+    if len(output) == SPARSE_GATE_OUTPUT:
+        _l_aux, capacity, num_experts, indices, _locations, _gates, exp_counts = output
+        if isinstance(indices, (list, tuple)):  # the Tutel path of older releases: one [s] tensor per k
+            indices = torch.stack(list(indices))
+        routes = indices.detach().long().reshape(-1, indices.shape[-1])  # [k, tokens]
+        kept = torch.bincount(routes[routes >= 0], minlength=int(num_experts))
+        dropped_tokens = int((routes < 0).all(dim=0).sum())
+        tokens, requested, capacity = int(routes.shape[-1]), int(routes.numel()), int(capacity)
+    elif len(output) == DENSE_GATE_OUTPUT:
+        _l_aux, _combine_weights, dispatch_mask, exp_counts = output
+        mask = dispatch_mask.detach().bool()  # [tokens, experts, capacity]
+        kept = mask.sum(dim=(0, 2))
+        dropped_tokens = int((~mask.flatten(1).any(dim=1)).sum())
+        tokens, capacity = int(mask.shape[0]), int(mask.shape[2])
+        requested = tokens * top_k
+    else:
+        raise TypeError(f"DeepSpeed's gate returned {len(output)} items; moebench reads the sparse "
+                        f"({SPARSE_GATE_OUTPUT}) or the dense ({DENSE_GATE_OUTPUT}) routing")
+    kept_routes = int(kept.sum())
+    return RoutingRecord(exp_counts=exp_counts.detach().to("cpu", torch.int64),
+                         kept_per_expert=kept.to("cpu", torch.int64), capacity=capacity, routes=requested,
+                         dropped=requested - kept_routes, tokens=tokens, dropped_tokens=dropped_tokens)
 
 
 def make_expert(d_model: int, d_hidden: int) -> nn.Module:
@@ -117,21 +154,8 @@ class DeepSpeedMoEMLP(nn.Module):
                     if isinstance(module, nn.Linear):
                         _reset_linear(module, gen)
 
-    def _record_routing(self, _gate, _inputs, output) -> None:
-        # MOELayer asks the gate for sparse routes: (l_aux, capacity, experts, indices [k, s],
-        # locations [k, s], gates [k, s], exp_counts). A route evicted at capacity has index -1.
-        _l_aux, capacity, num_experts, indices, _locations, _gates, exp_counts = output
-        routes = indices.detach().long()  # [k, tokens]
-        kept = routes[routes >= 0]
-        self.last = RoutingRecord(
-            exp_counts=exp_counts.detach().to("cpu", torch.int64),
-            kept_per_expert=torch.bincount(kept, minlength=int(num_experts)).to("cpu", torch.int64),
-            capacity=int(capacity),
-            routes=int(routes.numel()),
-            dropped=int((routes < 0).sum()),
-            tokens=int(routes.shape[-1]),
-            dropped_tokens=int((routes < 0).all(dim=0).sum()),
-        )
+    def _record_routing(self, gate, _inputs, output) -> None:
+        self.last = routing_record(output, top_k=int(gate.k))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         y, l_aux, _exp_counts = self.moe(x)

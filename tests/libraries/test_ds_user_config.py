@@ -1,0 +1,148 @@
+"""verify-parity --ds-config: a user's DeepSpeed config read into the engine rows' settings, with one note
+per key not honoured here; bad files are one line naming --ds-config, exit 2, nothing written."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from typer.testing import CliRunner
+
+from moebench.cli.app import app
+from moebench.errors import UserError
+from moebench.libraries import runner
+from moebench.libraries.ds_user_config import DEFAULTS, read_user_config
+from moebench.libraries.table import WIDTH
+
+USER = {
+    "train_batch_size": 64,
+    "gradient_accumulation_steps": 2,
+    "gradient_clipping": 1.0,
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 100}},
+    "bf16": {"enabled": True},
+    "zero_optimization": {"stage": 2, "overlap_comm": True, "offload_optimizer": {"device": "nvme"}},
+    "steps_per_print": 10,
+    "prescale_gradients": True,
+}
+
+
+def _file(tmp_path, doc, name="ds.json"):
+    path = tmp_path / name
+    path.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    return str(path)
+
+
+def _note(notes: list[str], start: str) -> str:
+    found = [n for n in notes if n.startswith(start)]
+    assert len(found) == 1, (start, notes)
+    return found[0]
+
+
+def test_settings_come_from_the_file_and_each_unhonoured_key_has_its_line(tmp_path):
+    settings, notes = read_user_config(_file(tmp_path, USER))
+    assert settings == {"zero_stage": 2, "clip": 1.0, "grad_accum": 2, "precision": "bf16"}
+    assert "not honoured" in _note(notes, "zero_optimization.offload_optimizer.device='nvme'")
+    optimizer = _note(notes, "optimizer: your AdamW (lr 0.0003) is replaced by SGD")
+    assert "Adam divides" in optimizer and "scaled uniformly" in optimizer
+    assert "WarmupLR" in _note(notes, "scheduler WarmupLR")
+    rest = _note(notes, "not passed on")
+    assert "prescale_gradients" in rest and "zero_optimization.overlap_comm" in rest
+    assert "steps_per_print" not in rest  # logging only
+
+
+def test_an_empty_file_verifies_deepspeeds_defaults_and_still_names_the_optimizer(tmp_path):
+    settings, notes = read_user_config(_file(tmp_path, {}))
+    assert settings == DEFAULTS
+    assert notes == [_note(notes, "optimizer: the optimizer your code passes to deepspeed.initialize")]
+
+
+@pytest.mark.parametrize("doc, settings, note", [
+    ({"zero_optimization": {"stage": 3}}, {"zero_stage": 2}, "zero_optimization.stage=3: DeepSpeed's MoE refuses"),
+    ({"fp16": {"enabled": True}}, {"precision": "fp32"}, "fp16.enabled: not honoured"),
+    ({"bfloat16": {"enabled": True}}, {"precision": "bf16"}, None),
+    ({"gradient_accumulation_steps": "auto"}, {"grad_accum": 1}, 'gradient_accumulation_steps="auto"'),
+    ({"gradient_clipping": 0.5, "zero_optimization": {"stage": 1}}, {"clip": 0.5, "zero_stage": 1}, None),
+])
+def test_what_is_not_honoured_is_replaced_and_named(tmp_path, doc, settings, note):
+    got, notes = read_user_config(_file(tmp_path, doc))
+    assert got == {**DEFAULTS, **settings}
+    if note:
+        _note(notes, note)
+    else:
+        assert len(notes) == 1  # the optimizer's line only
+
+
+BAD = [
+    ('{"zero_optimization": ', "is not valid JSON"),
+    ({"zero_optimization": {"stage": "two"}}, "zero_optimization.stage=\"two\""),
+    ({"zero_optimization": {"stage": 4}}, "stages are 0-3"),
+    ({"zero_optimization": [2]}, "must be a JSON object"),
+    ({"gradient_clipping": -1}, "gradient_clipping=-1"),
+    ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps=0"),
+    ({"gradient_accumulation_steps": 1.5}, "must be a whole number"),
+    ({"bf16": {"enabled": "yes"}}, "bf16 in"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "enables both fp16 and bf16"),
+    ([1, 2], "must hold a JSON object"),
+]
+
+
+@pytest.mark.parametrize("doc, needle", BAD)
+def test_a_bad_value_is_a_user_error_naming_the_flag(tmp_path, doc, needle):
+    with pytest.raises(UserError) as err:
+        read_user_config(_file(tmp_path, doc))
+    assert err.value.flag == "--ds-config" and needle in str(err.value)
+
+
+def _invoke(*args):
+    return CliRunner().invoke(app, ["verify-parity", *args])
+
+
+def _nothing_written() -> bool:
+    return not os.path.exists(os.path.join(os.environ["MOEBENCH_RESULTS"], "parity"))
+
+
+@pytest.mark.parametrize("doc, extra, needle", [
+    (BAD[1][0], (), BAD[1][1]),
+    (BAD[0][0], (), BAD[0][1]),
+    ({}, ("--checks", "deepspeed-moe-ep"), "not checks; drop --checks or --ds-config"),
+    ({}, ("--library", "fairscale"), "add deepspeed to --library or drop --ds-config"),
+])
+def test_bad_ds_config_on_the_cli_is_one_line_exit_2_and_nothing_written(tmp_path, doc, extra, needle):
+    result = _invoke("--ds-config", _file(tmp_path, doc), *extra)
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --ds-config: ") and needle in lines[0], lines
+    assert _nothing_written()
+
+
+def test_row_checks_hand_the_settings_to_the_adapter_and_label_the_rows():
+    settings = {"zero_stage": 1, "clip": 0.5, "grad_accum": 2, "precision": "fp32"}
+    checks = runner.row_checks(["deepspeed"], (2, 4), user_configs={"deepspeed": settings})
+    assert checks
+    for check in checks:
+        labels = dict(check.labels)
+        assert {k: labels[k] for k in settings} == settings and labels["ep_size"] >= 1
+        assert check.world_size % labels["ep_size"] == 0
+
+
+@pytest.mark.multirank
+def test_ds_config_runs_the_engine_rows_with_the_users_settings(tmp_path):
+    path = _file(tmp_path, USER, name="user.json")
+    result = _invoke("--ds-config", path, "-n", "2")
+    assert result.exit_code in (0, 1), result.output  # a failing row is a verdict, not an error
+    out = result.output
+    assert out.index("--ds-config user.json:") < out.index("verify-parity --library:")  # notes before the table
+    assert "verifies ZeRO 2, gradient_clipping 1, gradient_accumulation_steps 2, bf16, SGD" in out
+    assert "replaced by SGD" in out
+    assert not [line for line in out.splitlines() if len(line) > WIDTH and not line.startswith("saved to ")]
+    root = os.path.join(os.environ["MOEBENCH_RESULTS"], "parity")
+    (run,) = os.listdir(root)
+    summary = json.load(open(os.path.join(root, run, "summary.json")))
+    settings, notes = read_user_config(path)
+    assert summary["ds_config"] == {"path": path, "settings": settings, "notes": notes}
+    assert summary["rows"] and all(r["library"] == "deepspeed" for r in summary["rows"])
+    for row in summary["rows"]:
+        assert {k: row[k] for k in settings} == settings and row["world_size"] == 2
+        assert row["version"] and row["verdict"] in ("pass", "fail")
