@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from moebench.bounds import Items, Name, Text
+from moebench.bounds import Items, Name, Path, Text
 from moebench.cli import flags
 from moebench.distributed.env import is_printer as _is_printer
 from moebench.errors import UserError
@@ -36,6 +36,7 @@ BOUNDS = {
     "--library": Items(item=Name(what="library", choices=_library_names_known,
                                   listed_by="moebench verify-parity --list"), example="fairscale"),
     "--impl": Text(what="KEY=package.module:attribute", pattern=r"[a-z-]+=[A-Za-z_][\w.]*:[A-Za-z_][\w.]*"),
+    "--repro": Path(folder=True, writable=True),
 }
 """verify-parity's own valued options (the shared ones carry their config field's bound)."""
 
@@ -260,6 +261,11 @@ def verify_parity(
         help="Verify installed MoE libraries instead of the checks: each library's rows (model x backend x "
         "EP mode) at world sizes 2 and 4, or at --world-size when given (see --list; docs/libraries.md).",
     ),
+    repro: Optional[str] = flags.bounded_option(
+        None, "--repro", bound=BOUNDS["--repro"], metavar="DIR",
+        help="With --library: write a standalone script (python, torch and the library only) reproducing each "
+        "failing row into DIR, for an upstream bug report (docs/libraries.md).",
+    ),
 ) -> None:
     """Run the parity checks: exit 0 when all ran passed, 1 when any failed or none ran, 2 on bad input."""
     if list_checks:
@@ -267,6 +273,8 @@ def verify_parity(
         return
     if library is not None and checks is not None:
         raise UserError("runs the library rows, not checks; drop --checks or --library", flag="--library")
+    if repro is not None and library is None:
+        raise UserError("writes scripts for failing library rows; add --library NAME", flag="--repro")
     import contextlib
     import functools
 
@@ -301,7 +309,8 @@ def verify_parity(
         names = _library_names(library)
         sizes = DEFAULT_WORLD_SIZES if world_size is None else (world_size,)
         require_ranks_fit(max(sizes))
-        execute = functools.partial(verify_libraries, names, sizes, config_fields=config_fields(config))
+        execute = functools.partial(verify_libraries, names, sizes, config_fields=config_fields(config),
+                                    repro_dir=repro)
     try:
         with quiet_stdout:
             summary = execute(config, results_dir=results_dir, on_record=progress) if library is None else \
@@ -317,6 +326,10 @@ def verify_parity(
             typer.echo(json.dumps(_jsonable(summary), indent=2))
         elif library is not None:
             _print_library_table(summary)
+            from moebench.libraries.repro import lines as repro_lines
+
+            for line in repro_lines(summary):
+                typer.echo(line)
         else:
             _print_table(summary)
             from moebench.parity.runner import tested_lines

@@ -41,7 +41,8 @@ def row_checks(names: list[str], world_sizes: tuple[int, ...]) -> list[Check]:
         for world_size in world_sizes:
             for row in adapter.rows(world_size):
                 labels = {"library": row.library, "version": version, "model": row.model, "backend": row.backend,
-                          "ep_mode": row.ep_mode, "world_size": row.world_size, "features": tuple(row.features)}
+                          "ep_mode": row.ep_mode, "world_size": row.world_size, "features": tuple(row.features),
+                          **dict(row.params)}
                 check = Check(
                     name=row.key(), order=ROW_ORDER + len(checks), seed_source=f"{row.library} {version}",
                     description=f"{row.library} {row.model} ({row.backend}, {row.ep_mode}) over {row.world_size} "
@@ -98,8 +99,10 @@ def with_rows(summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def verify_libraries(names: list[str], world_sizes: tuple[int, ...], *, config_fields: dict[str, Any],
-                     results_dir: str | None = None, on_record: Callable | None = None) -> dict[str, Any]:
-    """Run the rows of `names` at `world_sizes` through verify_parity; the summary has "rows"."""
+                     results_dir: str | None = None, on_record: Callable | None = None,
+                     repro_dir: str | None = None) -> dict[str, Any]:
+    """Run the rows of `names` at `world_sizes` through verify_parity; the summary has "rows" (and with
+    `repro_dir`, a reproduction script per failing row: libraries/repro.py)."""
     from moebench.distributed.launch import under_torchrun
     from moebench.parity.runner import ParityConfig, verify_parity
 
@@ -108,7 +111,14 @@ def verify_libraries(names: list[str], world_sizes: tuple[int, ...], *, config_f
     with registered(row_checks(names, world_sizes)) as checks:
         config = ParityConfig(**{**config_fields, "world_size": max(world_sizes),
                                  "checks": tuple(c.name for c in checks)})
-        return verify_parity(config, results_dir=results_dir, on_record=on_record, decorate=with_rows)
+        decorate = with_rows
+        if repro_dir is not None:
+            from moebench.libraries.repro import write_scripts
+
+            rows = {c.name: (registry.load(c.rank_fn.args[0]), c.rank_fn.args[1]) for c in checks}
+            seed = config_fields.get("seed", 0)
+            decorate = lambda summary: write_scripts(repro_dir, with_rows(summary), rows, seed)  # noqa: E731
+        return verify_parity(config, results_dir=results_dir, on_record=on_record, decorate=decorate)
 
 
 def config_fields(config) -> dict[str, Any]:

@@ -1,0 +1,54 @@
+"""Faults for the --repro tests, each patching the library's own objects (DS_API.md §3): FAULTS[name](set_attr).
+
+- expert-grad-x2: DeepSpeed's ZeRO 1/2 optimizer doubles the expert groups' gradients right after its
+  reduction (the partition it will step on), as a reduction scaled by the wrong group size would;
+- rank-sleeps: rank 1 of a DeepSpeed engine never returns from its first optimizer step (a hang);
+- fairscale-expert-grad-x2: fairscale's all-to-all doubles the gradient it sends back to the experts' inputs
+  ... (see fairscale_faults below).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Callable
+
+import torch
+
+
+def _expert_grad_x2(set_attr: Callable) -> None:
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    original = DeepSpeedZeroOptimizer.independent_gradient_partition_epilogue
+
+    @functools.wraps(original)
+    def epilogue(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        if self.is_gradient_accumulation_boundary():
+            for i, is_moe in enumerate(self.is_moe_param_group):
+                grads = self.averaged_gradients.get(i) if is_moe else None
+                for grad in grads or ():
+                    grad.mul_(2.0)
+        return out
+
+    set_attr(DeepSpeedZeroOptimizer, "independent_gradient_partition_epilogue", epilogue)
+
+
+def _rank_sleeps(set_attr: Callable) -> None:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    original = DeepSpeedEngine.step
+
+    @functools.wraps(original)
+    def step(self, *args, **kwargs):
+        if torch.distributed.get_rank() == 1:
+            time.sleep(10**6)
+        return original(self, *args, **kwargs)
+
+    set_attr(DeepSpeedEngine, "step", step)
+
+
+FAULTS: dict[str, Callable[[Callable], None]] = {
+    "expert-grad-x2": _expert_grad_x2,
+    "rank-sleeps": _rank_sleeps,
+}
