@@ -7,8 +7,9 @@ shows, 0 when it does not, 2 on a setup error. What a user attaches to an upstre
 
 After the run, each FAILING row whose adapter writes one becomes `DIR/<row key, / -> __>.py` (written
 atomically; rank 0 alone). The summary gains "repro": [{"check", "path"}] and "no_repro": [check names].
-Templates live in repro_templates/ as runnable Python with one line marked `# @SETTINGS@`, replaced by the
-row's settings as a JSON literal (`fill`).
+Templates live in repro_templates/: one per library with one line marked `# @SETTINGS@`, replaced by the
+row's settings as a JSON literal, and one `from harness import *` line marked @HARNESS@, replaced by
+harness.py (the parent, deadline, comparison and report every script shares): `fill`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from moebench.libraries.base import Row
 
 SETTINGS_MARKER = "# @SETTINGS@"
 """The one template line replaced by `SETTINGS = json.loads('<the row's settings>')`."""
+HARNESS_MARKER = "@HARNESS@"
+"""The one template line (`from harness import *`) replaced by repro_templates/harness.py, the part every
+script shares: spawning the ranks, the deadline, the comparison and the report."""
 
 
 def script_name(key: str) -> str:
@@ -38,11 +42,13 @@ def template(name: str) -> str:
 def fill(name: str, settings: dict[str, Any], *, key: str) -> str:
     """Template `name` with its SETTINGS line holding `settings` (JSON scalars) and a first line naming the row."""
     lines = template(name).splitlines(keepends=True)
-    marked = [i for i, line in enumerate(lines) if SETTINGS_MARKER in line]
-    if len(marked) != 1:
-        raise ValueError(f"repro template {name} must mark exactly one line with {SETTINGS_MARKER}")
+    for marker in (SETTINGS_MARKER, HARNESS_MARKER):
+        if sum(marker in line for line in lines) != 1:
+            raise ValueError(f"repro template {name} must mark exactly one line with {marker}")
     literal = json.dumps(settings, sort_keys=True)
-    lines[marked[0]] = f"SETTINGS = json.loads({literal!r})\n"
+    harness = f"# ---- the shared harness (moebench repro_templates/harness.py)\n{template('harness')}# ----\n"
+    lines = [f"SETTINGS = json.loads({literal!r})\n" if SETTINGS_MARKER in line
+             else harness if HARNESS_MARKER in line else line for line in lines]
     from moebench import __version__
 
     head = f"# Reproduces moebench verify-parity row {key.replace(chr(10), ' ')} (moebench {__version__}).\n"
