@@ -52,3 +52,15 @@ FAULTS: dict[str, Callable[[Callable], None]] = {
     "expert-grad-x2": _expert_grad_x2,
     "rank-sleeps": _rank_sleeps,
 }
+
+
+def _fairscale_backward_local(set_attr: Callable) -> None:
+    from fairscale.nn.moe.moe_layer import _AllToAll
+
+    def backward(ctx, *grad_output):
+        return (None, grad_output[0].contiguous())  # each rank keeps its own gradient: no exchange back
+
+    set_attr(_AllToAll, "backward", staticmethod(backward))
+
+
+FAULTS["fairscale-backward-local"] = _fairscale_backward_local

@@ -135,6 +135,11 @@ def report(rows, kinds, where, mechanism):
     if expected is not None:
         print(f"  expected {head(expected)}")
     print(f"  actual   {head(actual)}")
+    if expected is not None and expected.shape == actual.shape and actual.numel() > 1:
+        flat = int((actual - expected).abs().flatten().argmax())
+        where_max = list(divmod_all(flat, list(actual.shape)))
+        print(f"  largest difference at {where_max}: expected {float(expected.flatten()[flat]):.6g}, "
+              f"actual {float(actual.flatten()[flat]):.6g}")
     first = [r for r in bad if (r[0], r[1]) == (s, k)]
     groups = ", ".join(sorted({r[4] for r in first}))
     print(f"  {len(first)} {kinds[k]} quantities differ at that step, in group(s): {groups}")
@@ -142,6 +147,15 @@ def report(rows, kinds, where, mechanism):
     print(f"  {len(bad) - len(first)} later quantities differ as well: consequences of the first.")
     print(f"{len(bad)} of {len(rows)} quantities differ (exit 1).")
     return 1
+
+
+def divmod_all(flat, shape):
+    """A flat index as one index per dimension."""
+    index = []
+    for size in reversed(shape):
+        flat, i = divmod(flat, size)
+        index.append(i)
+    return reversed(index)
 
 
 def head(t, n=4):
