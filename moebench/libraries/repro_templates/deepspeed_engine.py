@@ -256,8 +256,11 @@ def notes(results):
     clip = float(SETTINGS.get("clip", 0.0))
     if clip <= 0:
         return []
-    norms = ", ".join(f"{n:.3g}" for n in results["reference"]["norms"])
-    return [f"reference global gradient norm per step: {norms}; clip {clip:g} binds where it is smaller"]
+    norms = results["reference"]["norms"]
+    binds = [i + 1 for i, n in enumerate(norms) if n > clip]
+    where = "at every step" if len(binds) == len(norms) else f"at steps {binds}" if binds else "never"
+    shown = ", ".join(f"{n:.3g}" for n in norms)
+    return [f"clip {clip:g} binds {where} (reference global gradient norms {shown})"]
 
 
 def mechanism(kind, rows):

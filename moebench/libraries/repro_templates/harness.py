@@ -158,9 +158,15 @@ def divmod_all(flat, shape):
     return reversed(index)
 
 
-def head(t, n=4):
-    values = ", ".join(f"{v:.6g}" for v in t.flatten()[:n].tolist())
-    return f"[{values}{', ...' if t.numel() > n else ''}] (shape {list(t.shape)})"
+def head(t, width=68):
+    """The first values of `t` and its shape, within `width` characters (the line fits 80 columns)."""
+    values, shown = t.flatten()[:8].tolist(), ""
+    for n in range(len(values), 0, -1):
+        more = ", ..." if t.numel() > n else ""
+        shown = f"[{', '.join(f'{v:.6g}' for v in values[:n])}{more}] (shape {list(t.shape)})"
+        if len(shown) <= width:
+            break
+    return shown
 
 
 def main(*, world, library_rank, reference_rank, describe, kinds, where, mechanism, notes=None, argv=None):
@@ -227,7 +233,7 @@ def main(*, world, library_rank, reference_rank, describe, kinds, where, mechani
             results = {r: torch.load(os.path.join(out, f"{r}.pt"), weights_only=False) for r in range(world)}
             results["reference"] = torch.load(os.path.join(out, "reference.pt"), weights_only=False)
             for line in (notes(results) if notes else ()):
-                print(line)
+                print(textwrap.fill(line, 79, subsequent_indent="  "))
             return report(compare(results, world), kinds, where, mechanism)
         except KeyboardInterrupt:
             print("interrupted: every process of the run killed", file=sys.stderr)
