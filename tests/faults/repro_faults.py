@@ -3,8 +3,9 @@
 - expert-grad-x2: DeepSpeed's ZeRO 1/2 optimizer doubles the expert groups' gradients right after its
   reduction (the partition it will step on), as a reduction scaled by the wrong group size would;
 - rank-sleeps: rank 1 of a DeepSpeed engine never returns from its first optimizer step (a hang);
-- fairscale-expert-grad-x2: fairscale's all-to-all doubles the gradient it sends back to the experts' inputs
-  ... (see fairscale_faults below).
+- fairscale-backward-local: fairscale's `_AllToAll.backward` keeps each rank's own gradient (no exchange back);
+- transformers-expert-grad-x-world: transformers' all_to_all + FSDP2 expert gradients summed over the ranks
+  instead of averaged (the divide factor of the experts' FSDP unit reset to 1).
 """
 
 from __future__ import annotations
@@ -64,3 +65,23 @@ def _fairscale_backward_local(set_attr: Callable) -> None:
 
 
 FAULTS["fairscale-backward-local"] = _fairscale_backward_local
+
+
+def _transformers_expert_grad_x_world(set_attr: Callable) -> None:
+    """Expert gradients summed over the data-parallel ranks instead of averaged (all_to_all + FSDP2): the
+    divide factor transformers sets on the experts' FSDP unit is reset to 1."""
+    import transformers.distributed.mixin as mixin
+
+    original = mixin.apply_fully_sharded_data_parallelism
+
+    def without_divide_factor(model, mesh_manager, fsdp_plan, ep_plan):
+        model = original(model, mesh_manager, fsdp_plan, ep_plan)
+        for name, module in model.named_modules():
+            if ep_plan.get(name) == "ep_dispatch_experts":
+                module.set_gradient_divide_factor(1.0)
+        return model
+
+    set_attr(mixin, "apply_fully_sharded_data_parallelism", without_divide_factor)
+
+
+FAULTS["transformers-expert-grad-x-world"] = _transformers_expert_grad_x_world

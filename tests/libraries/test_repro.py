@@ -26,7 +26,7 @@ from moebench.libraries.base import Row
 
 REPO = Path(__file__).resolve().parents[2]
 INJECT = REPO / "tests" / "faults" / "inject"
-STANDALONE_MODULES = {"torch", "deepspeed", "fairscale"}
+STANDALONE_MODULES = {"torch", "deepspeed", "fairscale", "transformers"}
 """What a script may import besides the standard library."""
 SCRIPT_TIMEOUT_S = 240.0
 """A script's own deadline is DEADLINE_S (600 s); the tests' runs take ~15 s, so this only bounds a broken test."""
@@ -95,17 +95,21 @@ def _settings(source: str) -> dict:
 # ------------------------------------------------------------------------------------ the scripts' text
 
 
-@pytest.mark.parametrize("make", ["deepspeed", "fairscale"])
+@pytest.mark.parametrize("make", ["deepspeed", "fairscale", "transformers"])
 def test_a_script_imports_only_the_stdlib_torch_and_the_library(make):
     if make == "deepspeed":
         source = repro.deepspeed_engine_script(ds_row(zero_stage=2, ep_size=1, world_size=4, clip=0.05), 7)
+    elif make == "transformers":
+        from moebench.libraries.transformers import ADAPTER
+
+        source = ADAPTER.repro_script(ADAPTER.rows(4)[0], 7)
     else:
         from moebench.libraries.fairscale import ADAPTER
 
         source = ADAPTER.repro_script(ADAPTER.rows(2)[0], 7)
     foreign = {m for m in _imports(source) if m not in sys.stdlib_module_names} - STANDALONE_MODULES
     assert not foreign, foreign
-    assert "@HARNESS@" not in source and "from harness" not in source
+    assert "@HARNESS@" not in source and "from harness" not in source and "@SETTINGS@" not in source
     compile(source, "repro.py", "exec")
     settings = _settings(source)
     assert settings["seed"] == 7
@@ -239,6 +243,34 @@ def test_fairscale_script_reproduces_the_fault_and_passes_unbroken(tmp_path, fau
     if status:
         assert "BUG: first divergence, step 1, gradient of the input group (rank 0)" in done.stdout
         assert "the backward all-to-all or the gradient" in done.stdout
+    assert not _survivors(tag)
+
+
+TRANSFORMERS_CASES = [
+    # (fault, exit status, the first-divergence line's start); the row: mixtral, eager, all_to_all, W = 2
+    (None, 0, "OK: 126 quantities agree"),
+    ("repro_faults:transformers-expert-grad-x-world", 1,
+     "BUG: first divergence, step 1, gradient of the expert group (rank 0):"),
+]
+
+
+@pytest.mark.multirank
+@pytest.mark.faults
+@pytest.mark.parametrize("fault,status,expected", [
+    pytest.param(*case, id=(case[0] or ":unbroken").partition(":")[2],
+                 marks=[pytest.mark.slow] if case[0] is None else []) for case in TRANSFORMERS_CASES])
+def test_transformers_script_reproduces_the_fault_and_passes_unbroken(tmp_path, fault, status, expected):
+    from moebench.libraries.transformers import ADAPTER
+
+    row = next(r for r in ADAPTER.rows(2) if r.key() == "transformers/mixtral/eager/all_to_all/w2")
+    path = tmp_path / "repro.py"
+    path.write_text(ADAPTER.repro_script(row, 0))
+    done, tag = run_script(path, tmp_path, fault=fault)
+    assert done.returncode == status, done.stdout + done.stderr[-3000:]
+    assert any(line.startswith(expected) for line in done.stdout.splitlines()), done.stdout
+    if status:
+        assert "actual/expected ratio 2" in done.stdout  # summed over 2 ranks instead of averaged
+    assert all(len(line) <= 80 for line in done.stdout.splitlines()), done.stdout
     assert not _survivors(tag)
 
 
