@@ -37,6 +37,7 @@ BOUNDS = {
                                   listed_by="moebench verify-parity --list"), example="fairscale"),
     "--impl": Text(what="KEY=package.module:attribute", pattern=r"[a-z-]+=[A-Za-z_][\w.]*:[A-Za-z_][\w.]*"),
     "--ds-config": Path(folder=False, must_exist=True),
+    "--repro": Path(folder=True, writable=True),
 }
 """verify-parity's own valued options (the shared ones carry their config field's bound)."""
 
@@ -296,6 +297,11 @@ def verify_parity(
         help="Verify your DeepSpeed config: its ZeRO stage, gradient_clipping, gradient_accumulation_steps "
         "and precision on the engine rows, optimizer replaced by SGD (implies --library deepspeed).",
     ),
+    repro: Optional[str] = flags.bounded_option(
+        None, "--repro", bound=BOUNDS["--repro"], metavar="DIR",
+        help="With --library: write a standalone script (python, torch and the library only) reproducing each "
+        "failing row into DIR, for an upstream bug report (docs/libraries.md).",
+    ),
 ) -> None:
     """Run the parity checks: exit 0 when all ran passed, 1 when any failed or none ran, 2 on bad input."""
     if list_checks:
@@ -306,6 +312,8 @@ def verify_parity(
     user_configs, summary_extra = None, None
     if ds_config is not None:
         library, user_configs, summary_extra = _ds_config(ds_config, library, checks)
+    if repro is not None and library is None:
+        raise UserError("writes scripts for failing library rows; add --library NAME", flag="--repro")
     import contextlib
     import functools
 
@@ -341,7 +349,8 @@ def verify_parity(
         sizes = DEFAULT_WORLD_SIZES if world_size is None else (world_size,)
         require_ranks_fit(max(sizes))
         execute = functools.partial(verify_libraries, names, sizes, config_fields=config_fields(config),
-                                    user_configs=user_configs, summary_extra=summary_extra)
+                                    user_configs=user_configs, summary_extra=summary_extra,
+                                    repro_dir=repro)
         if summary_extra and _is_printer() and not as_json:
             _print_notes(ds_config, summary_extra["ds_config"])
     try:
@@ -359,6 +368,10 @@ def verify_parity(
             typer.echo(json.dumps(_jsonable(summary), indent=2))
         elif library is not None:
             _print_library_table(summary)
+            from moebench.libraries.repro import lines as repro_lines
+
+            for line in repro_lines(summary):
+                typer.echo(line)
         else:
             _print_table(summary)
             from moebench.parity.runner import tested_lines

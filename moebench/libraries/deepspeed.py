@@ -123,5 +123,11 @@ class DeepSpeed(InstalledLibrary):
         check = next(check for model, backend, _, check in ROWS if (model, backend) == (row.model, row.backend))
         return load_all()[check].rank_fn(ctx, opts)
 
+    def repro_script(self, row: Row, seed: int) -> str | None:
+        """A standalone script reproducing an engine row (DS_API.md §4); None for other rows."""
+        from moebench.libraries.repro import deepspeed_engine_script
+
+        return deepspeed_engine_script(row, seed)
+
 
 ADAPTER = DeepSpeed()

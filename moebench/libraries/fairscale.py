@@ -137,6 +137,14 @@ class Fairscale(InstalledLibrary):
         per_rank = next(n for n in EXPERTS_PER_RANK if _ep_mode(n) == row.ep_mode)
         return run(ctx, opts, per_rank, MOELayer, Top2Gate)
 
+    def repro_script(self, row: Row, seed: int) -> str:
+        """A standalone script reproducing the row over gloo vs one process (libraries/repro.py)."""
+        from moebench.libraries.repro import fill
+
+        per_rank = next(n for n in EXPERTS_PER_RANK if _ep_mode(n) == row.ep_mode)
+        return fill("fairscale_moe", {"experts_per_rank": per_rank, "world_size": row.world_size, "seed": seed,
+                                      "steps": STEPS}, key=row.key())
+
 
 def _ep_mode(per_rank: int) -> str:
     """"a2a-E=W" (one expert per rank), "a2a-E=2W" (two): MOELayer's all-to-all over E experts."""

@@ -106,20 +106,29 @@ def with_rows(summary: dict[str, Any]) -> dict[str, Any]:
 def verify_libraries(names: list[str], world_sizes: tuple[int, ...], *, config_fields: dict[str, Any],
                      results_dir: str | None = None, on_record: Callable | None = None,
                      user_configs: dict[str, dict[str, Any]] | None = None,
-                     summary_extra: dict[str, Any] | None = None) -> dict[str, Any]:
+                     summary_extra: dict[str, Any] | None = None,
+                     repro_dir: str | None = None) -> dict[str, Any]:
     """Run the rows of `names` at `world_sizes` through verify_parity; the summary has "rows" (and the
-    keys of `summary_extra`, e.g. "ds_config"). `user_configs`: see row_checks."""
+    keys of `summary_extra`, e.g. "ds_config"). `user_configs`: see row_checks. With `repro_dir`, a
+    reproduction script per failing row that has one (libraries/repro.py)."""
     from moebench.distributed.launch import under_torchrun
     from moebench.parity.runner import ParityConfig, verify_parity
 
     if under_torchrun():  # the job's world is the only one there is
         world_sizes = (int(os.environ["WORLD_SIZE"]),)
-    def decorate(summary: dict[str, Any]) -> dict[str, Any]:
-        return {**with_rows(summary), **(summary_extra or {})}
-
     with registered(row_checks(names, world_sizes, user_configs=user_configs)) as checks:
         config = ParityConfig(**{**config_fields, "world_size": max(world_sizes),
                                  "checks": tuple(c.name for c in checks)})
+        rows = {c.name: (registry.load(c.rank_fn.args[0]), c.rank_fn.args[1]) for c in checks}
+
+        def decorate(summary: dict[str, Any]) -> dict[str, Any]:
+            summary = {**with_rows(summary), **(summary_extra or {})}
+            if repro_dir is None:
+                return summary
+            from moebench.libraries.repro import write_scripts
+
+            return write_scripts(repro_dir, summary, rows, config_fields.get("seed", 0))
+
         return verify_parity(config, results_dir=results_dir, on_record=on_record, decorate=decorate)
 
 

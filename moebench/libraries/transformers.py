@@ -140,6 +140,19 @@ class TransformersAdapter:
         with _quiet():
             return _run(ctx, row, opts)
 
+    def repro_script(self, row: Row, seed: int) -> str | None:
+        """A standalone script reproducing the row (libraries/repro.py); None for a row that cannot run here."""
+        if skip_reason(row) is not None:
+            return None
+        from moebench.libraries.repro import fill
+
+        config_cls, model_cls, kwargs = model_classes(row.model)
+        settings = {"config_class": config_cls.__name__, "model_class": model_cls.__name__, "config": kwargs,
+                    "backend": row.backend, "distributed": distributed_kwargs(row), "shares_batch": shares_batch(row),
+                    "world_size": row.world_size, "seed": seed, "steps": STEPS, "lr": LR, "block": BLOCK,
+                    "seqs_per_rank": SEQS_PER_RANK, "seq_len": SEQ_LEN}
+        return fill("transformers_moe", settings, key=row.key())
+
 
 ADAPTER = TransformersAdapter()
 
@@ -199,10 +212,15 @@ def _distributed_config(row: Row):
     """The DistributedConfig a user passes to from_pretrained for this row, in the installed release's API."""
     from transformers.distributed import DistributedConfig
 
+    return DistributedConfig(**distributed_kwargs(row))
+
+
+def distributed_kwargs(row: Row) -> dict[str, Any]:
+    """The keyword arguments of the row's DistributedConfig (JSON values), in the installed release's API."""
     w, api = row.world_size, _api()
     block_rule = {f"{BLOCK.replace('.0.', '.*.')}": "free_full_weight"}
     if api == "enable_expert_parallel":  # 5.0-5.19: router masking and all-reduce only
-        return DistributedConfig(tp_size=w, enable_expert_parallel=True)
+        return dict(tp_size=w, enable_expert_parallel=True)
     kwargs: dict[str, Any]
     if row.ep_mode == "all_to_all":
         kwargs = dict(fsdp_size=w, ep_size=w, fsdp_plan=block_rule)
@@ -214,7 +232,7 @@ def _distributed_config(row: Row):
     elif implementation == "all_reduce":  # 5.20-5.22: the router-masking plan
         prefix = BLOCK.replace(".0.", ".*.")
         kwargs["ep_plan"] = {f"{prefix}.gate": "ep_router", f"{prefix}.experts": "moe_tp_experts"}
-    return DistributedConfig(**kwargs)
+    return kwargs
 
 
 def shares_batch(row: Row) -> bool:

@@ -1,0 +1,301 @@
+"""`verify-parity --library NAME --repro DIR`: the standalone reproduction scripts and their writer.
+
+A script is run as a user runs it: `python SCRIPT` from another folder, with a poisoned `moebench`
+first on the path (any moebench import in it fails), a fault injected through
+tests/faults/inject/sitecustomize.py (DS_API.md §3) or none. It must exit 1 and name the diverging
+quantity with the fault, 0 without, and end a hang by its deadline.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from moebench.cli.app import app
+from moebench.libraries import repro
+from moebench.libraries.base import Row
+
+REPO = Path(__file__).resolve().parents[2]
+INJECT = REPO / "tests" / "faults" / "inject"
+STANDALONE_MODULES = {"torch", "deepspeed", "fairscale", "transformers"}
+"""What a script may import besides the standard library."""
+SCRIPT_TIMEOUT_S = 240.0
+"""A script's own deadline is DEADLINE_S (600 s); the tests' runs take ~15 s, so this only bounds a broken test."""
+
+
+def ds_row(**params) -> Row:
+    """An engine row as ds-matrix builds them (DS_API.md §2)."""
+    settings = {"zero_stage": 1, "ep_size": 2, "grad_accum": 1, "clip": 0.0, "precision": "fp32", "top_k": 1,
+                "drop_tokens": False, "use_residual": False, "steps": 2, **params}
+    world = settings.pop("world_size", 2)
+    return Row(library="deepspeed", model="engine", backend=f"zero{settings['zero_stage']}",
+               ep_mode=f"ep={settings['ep_size']}", world_size=world, params=tuple(settings.items()))
+
+
+def _poisoned_path(tmp_path: Path) -> Path:
+    """A folder whose `moebench` package raises on import: first on PYTHONPATH, it catches any moebench import."""
+    poison = tmp_path / "poison" / "moebench"
+    poison.mkdir(parents=True, exist_ok=True)
+    (poison / "__init__.py").write_text("raise ImportError('a repro script must not import moebench')\n")
+    return poison.parent
+
+
+def run_script(path: Path, tmp_path: Path, *, fault: str | None = None, deadline: float | None = None):
+    """`python path` from an unrelated folder, as a user runs it; (completed process, tag in its children's env)."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(exist_ok=True)
+    tag = uuid.uuid4().hex
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MOEBENCH_INJECT_FAULT")}
+    env.update(PYTHONPATH=os.pathsep.join([str(_poisoned_path(tmp_path)), str(INJECT)]), REPRO_TEST_TAG=tag,
+               DS_ACCELERATOR="cpu")
+    if fault:
+        env["MOEBENCH_INJECT_FAULT"] = fault
+    args = [sys.executable, str(path)] + (["--deadline", str(deadline)] if deadline else [])
+    done = subprocess.run(args, cwd=elsewhere, env=env, capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S)
+    return done, tag
+
+
+def _survivors(tag: str) -> list[int]:
+    """Processes still running with the run's tag in their environment (ranks the script left behind)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        if f"REPRO_TEST_TAG={tag}".encode() in environ.split(b"\0"):
+            found.append(int(pid))
+    return found
+
+
+def _imports(source: str) -> set[str]:
+    tops = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            tops |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            tops.add((node.module or "").split(".")[0])
+    return tops
+
+
+def _settings(source: str) -> dict:
+    line = next(line for line in source.splitlines() if line.startswith("SETTINGS = json.loads("))
+    return json.loads(ast.literal_eval(line[len("SETTINGS = json.loads("):-1]))
+
+
+# ------------------------------------------------------------------------------------ the scripts' text
+
+
+@pytest.mark.parametrize("make", ["deepspeed", "fairscale", "transformers"])
+def test_a_script_imports_only_the_stdlib_torch_and_the_library(make):
+    if make == "deepspeed":
+        source = repro.deepspeed_engine_script(ds_row(zero_stage=2, ep_size=1, world_size=4, clip=0.05), 7)
+    elif make == "transformers":
+        from moebench.libraries.transformers import ADAPTER
+
+        source = ADAPTER.repro_script(ADAPTER.rows(4)[0], 7)
+    else:
+        from moebench.libraries.fairscale import ADAPTER
+
+        source = ADAPTER.repro_script(ADAPTER.rows(2)[0], 7)
+    foreign = {m for m in _imports(source) if m not in sys.stdlib_module_names} - STANDALONE_MODULES
+    assert not foreign, foreign
+    assert "@HARNESS@" not in source and "from harness" not in source and "@SETTINGS@" not in source
+    compile(source, "repro.py", "exec")
+    settings = _settings(source)
+    assert settings["seed"] == 7
+    if make == "deepspeed":
+        assert settings == {**dict(ds_row(zero_stage=2, ep_size=1, clip=0.05).params), "world_size": 4, "seed": 7}
+
+
+def test_rows_without_an_engine_script_get_none():
+    plain = Row(library="deepspeed", model="engine", backend="zero0-2", ep_mode="ep=2", world_size=2)
+    assert repro.deepspeed_engine_script(plain, 0) is None  # the wrapped check's row: no params
+    assert repro.deepspeed_engine_script(ds_row(precision="bf16"), 0) is None
+    assert repro.deepspeed_engine_script(ds_row(load_ep_size=1), 0) is None  # a resume row: its own script
+    assert repro.script_name(ds_row().key()) == "deepspeed__engine__zero1__ep=2__w2.py"
+
+
+# ------------------------------------------------------------------------------------ the writer
+
+
+class _Scripted:
+    def repro_script(self, row, seed):
+        return f"print({row.key()!r}, {seed})\n"
+
+
+class _Unscripted:
+    pass
+
+
+def test_write_scripts_writes_one_per_failing_row_and_lists_them(tmp_path):
+    rows = {"a/x": (_Scripted(), ds_row()), "b/y": (_Scripted(), ds_row(zero_stage=2)),
+            "c/z": (_Unscripted(), ds_row(zero_stage=0))}
+    summary = {"checks": [{"name": "a/x", "status": "fail"}, {"name": "b/y", "status": "pass"},
+                          {"name": "c/z", "status": "fail"}]}
+    out = repro.write_scripts(str(tmp_path / "new" / "dir"), summary, rows, seed=3)
+    path = tmp_path / "new" / "dir" / "a__x.py"
+    assert out["repro"] == [{"check": "a/x", "path": str(path)}]
+    assert out["no_repro"] == ["c/z"]
+    assert path.read_text() == f"print({ds_row().key()!r}, 3)\n"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["a__x.py"]  # no temporary left behind
+    shown = repro.lines(out)
+    assert any(str(path) in line or os.path.relpath(path) in line for line in shown)
+    assert shown[-1] == "no reproduction script for c/z"
+    assert all(len(line) <= 80 for line in shown)
+
+
+def test_repro_without_library_is_one_line(tmp_path):
+    result = CliRunner().invoke(app, ["verify-parity", "--repro", str(tmp_path / "r")])
+    assert result.exit_code == 2
+    assert result.output.strip() == "error: --repro: writes scripts for failing library rows; add --library NAME"
+    assert not (tmp_path / "r").exists()
+
+
+def test_repro_into_a_file_is_refused(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    result = CliRunner().invoke(app, ["verify-parity", "--library", "fairscale", "--repro", str(afile)])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [f"error: --repro: {afile} is not a folder; pass a folder"]
+
+
+# ------------------------------------------------------------------------------------ running the scripts
+
+DS_ROW = dict(zero_stage=1, ep_size=2, world_size=2)
+"""A DeepSpeed engine row with expert parallelism and ZeRO's partitioned reduction (ZeRO 1)."""
+DEFAULT_SUITE = 2
+"""The first cases run in the default suite (~12 s each); the rest in the slow tier."""
+FAULT_CASES = [
+    # (fault "<module in tests/faults>:<name>" or None, row settings, exit status, a line the output holds)
+    (None, DS_ROW, 0, "OK: 112 quantities agree with the one-process reference (exit 0)."),
+    ("repro_faults:expert-grad-x2", DS_ROW, 1, "  The reduced gradients of the expert group(s) differ (scaled by 2)."),
+    ("repro_faults:expert-grad-x2", dict(zero_stage=2, ep_size=2, world_size=2), 1,
+     "  The reduced gradients of the expert group(s) differ (scaled by 2)."),
+    (None, dict(zero_stage=2, ep_size=1, world_size=2, grad_accum=2, clip=0.05, top_k=2), 0, "OK: "),
+    (None, dict(zero_stage=1, ep_size=2, world_size=2, drop_tokens=True, use_residual=True), 0, "OK: "),
+    # ds-matrix's faults (tests/faults/ds_faults.py): one line each, e.g.
+    # ("ds_faults:local-global-norm", dict(zero_stage=1, ep_size=1, world_size=2, clip=0.05), 1, "BUG: "),
+]
+
+
+def _case_id(fault, settings) -> str:
+    name = fault.partition(":")[2] if fault else "unbroken"
+    return f"{name}-" + "-".join(f"{k}{v}" for k, v in settings.items())
+
+
+@pytest.mark.multirank
+@pytest.mark.faults
+@pytest.mark.parametrize("fault,settings,status,expected", [
+    pytest.param(*case, id=_case_id(*case[:2]), marks=[pytest.mark.slow] if i >= DEFAULT_SUITE else [])
+    for i, case in enumerate(FAULT_CASES)])
+def test_deepspeed_script_reproduces_the_fault_and_passes_unbroken(tmp_path, fault, settings, status, expected):
+    path = tmp_path / "scripts" / repro.script_name(ds_row(**settings).key())
+    path.parent.mkdir()
+    path.write_text(repro.deepspeed_engine_script(ds_row(**settings), 0))
+    done, tag = run_script(path, tmp_path, fault=fault)
+    out = done.stdout
+    assert done.returncode == status, out + done.stderr[-3000:]
+    assert any(line.startswith(expected) for line in out.splitlines()), out
+    if status == 1:
+        assert "BUG: first divergence at ZeRO" in out
+        assert "max abs diff" in out and "actual/expected ratio" in out and "expected [" in out
+    assert all(len(line) <= 80 for line in out.splitlines()), out
+    assert not _survivors(tag)
+
+
+@pytest.mark.multirank
+@pytest.mark.faults
+@pytest.mark.slow
+def test_a_hanging_rank_is_ended_by_the_deadline(tmp_path):
+    path = tmp_path / "repro.py"
+    path.write_text(repro.deepspeed_engine_script(ds_row(zero_stage=0, ep_size=2, world_size=2), 0))
+    deadline = 30.0
+    start = time.monotonic()
+    done, tag = run_script(path, tmp_path, fault="repro_faults:rank-sleeps", deadline=deadline)
+    elapsed = time.monotonic() - start
+    assert done.returncode == 1, done.stdout + done.stderr[-3000:]
+    assert "rank 1 did not finish: killed" in done.stdout
+    assert elapsed < deadline + 20, elapsed  # the deadline, plus the children's start and the kill
+    assert not _survivors(tag)
+
+
+@pytest.mark.multirank
+@pytest.mark.faults
+@pytest.mark.slow  # the default suite runs the fairscale script through the CLI test below
+@pytest.mark.parametrize("fault,status", [(None, 0), ("repro_faults:fairscale-backward-local", 1)])
+def test_fairscale_script_reproduces_the_fault_and_passes_unbroken(tmp_path, fault, status):
+    from moebench.libraries.fairscale import ADAPTER
+
+    path = tmp_path / "repro.py"
+    path.write_text(ADAPTER.repro_script(ADAPTER.rows(2)[1], 0))
+    done, tag = run_script(path, tmp_path, fault=fault)
+    assert done.returncode == status, done.stdout + done.stderr[-3000:]
+    if status:
+        assert "BUG: first divergence, step 1, gradient of the input group (rank 0)" in done.stdout
+        assert "the backward all-to-all or the gradient" in done.stdout
+    assert not _survivors(tag)
+
+
+TRANSFORMERS_CASES = [
+    # (fault, exit status, the first-divergence line's start); the row: mixtral, eager, all_to_all, W = 2
+    (None, 0, "OK: 126 quantities agree"),
+    ("repro_faults:transformers-expert-grad-x-world", 1,
+     "BUG: first divergence, step 1, gradient of the expert group (rank 0):"),
+]
+
+
+@pytest.mark.multirank
+@pytest.mark.faults
+@pytest.mark.parametrize("fault,status,expected", [
+    pytest.param(*case, id=(case[0] or ":unbroken").partition(":")[2],
+                 marks=[pytest.mark.slow] if case[0] is None else []) for case in TRANSFORMERS_CASES])
+def test_transformers_script_reproduces_the_fault_and_passes_unbroken(tmp_path, fault, status, expected):
+    from moebench.libraries.transformers import ADAPTER
+
+    row = next(r for r in ADAPTER.rows(2) if r.key() == "transformers/mixtral/eager/all_to_all/w2")
+    path = tmp_path / "repro.py"
+    path.write_text(ADAPTER.repro_script(row, 0))
+    done, tag = run_script(path, tmp_path, fault=fault)
+    assert done.returncode == status, done.stdout + done.stderr[-3000:]
+    assert any(line.startswith(expected) for line in done.stdout.splitlines()), done.stdout
+    if status:
+        assert "actual/expected ratio 2" in done.stdout  # summed over 2 ranks instead of averaged
+    assert all(len(line) <= 80 for line in done.stdout.splitlines()), done.stdout
+    assert not _survivors(tag)
+
+
+@pytest.mark.multirank
+@pytest.mark.faults
+def test_cli_writes_the_script_of_each_failing_row_and_lists_it(tmp_path):
+    """verify-parity --library fairscale with fairscale's backward exchange broken: every row fails, each
+    gets its script (printed, in summary.json), and the script written reproduces the failure standalone."""
+    results, scripts = tmp_path / "results", tmp_path / "scripts"
+    env = {k: v for k, v in os.environ.items() if k != "MOEBENCH_INJECT_FAULT"}
+    env.update(PYTHONPATH=os.pathsep.join([str(INJECT), str(REPO)]),
+               MOEBENCH_INJECT_FAULT="repro_faults:fairscale-backward-local", COLUMNS="80")
+    done = subprocess.run([sys.executable, "-m", "moebench", "verify-parity", "--library", "fairscale", "-n", "2",
+                           "--results-dir", str(results), "--repro", str(scripts)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S)
+    assert done.returncode == 1, done.stdout + done.stderr[-3000:]
+    written = sorted(scripts.iterdir())
+    assert [p.name for p in written] == ["fairscale__top2gate__-__a2a-E=2W__w2.py",
+                                         "fairscale__top2gate__-__a2a-E=W__w2.py"]
+    ours = done.stdout[done.stdout.index("reproduction script(s), 2 (run each: python PATH):"):].splitlines()
+    assert len(ours) == 3 and all(len(line) <= 80 for line in ours), ours
+    for p in written:
+        assert f"  {os.path.relpath(p, tmp_path)}" in done.stdout.splitlines()
+    (run,) = (results / "parity").iterdir()
+    summary = json.loads((run / "summary.json").read_text())
+    assert sorted(item["path"] for item in summary["repro"]) == [str(p) for p in written]
+    again, _ = run_script(written[0], tmp_path, fault="repro_faults:fairscale-backward-local")
+    assert again.returncode == 1, again.stdout + again.stderr[-3000:]
