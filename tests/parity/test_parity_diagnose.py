@@ -319,6 +319,6 @@ def test_a_named_first_divergence_headlines_and_later_failures_are_its_consequen
              compare("step 2: inp.weight after the step", e + 1, e, STRICT, rank=1)]
     d = summarise([first, *later], world_size=2, first=first)
     assert d["name"] == "expert-grad-scale"
-    assert d["sentence"] == ("expert gradients scaled by 2; 3 later difference(s) follow from it (output 1, "
+    assert d["sentence"] == ("expert gradients scaled by 2; 3 other failed comparison(s) follow from it (output 1, "
                              "experts 1, replicated 1): consequences, not causes")
     assert d["details"]["consequences"] == 3 and d["details"]["step"] == 1
