@@ -5,6 +5,7 @@ the applied updates and the parameters after the step. At the first step where a
 every rank calls `analyse` on what it holds; `combine` picks the earliest phase over the ranks
 (loss before gradients before norm before updates) and one sentence per mechanism:
 
+- vacuous-row: the row's premise fails (its clip does not bind, its capacity drops nothing);
 - forward-differs: the loss differs before any gradient (the model or its routing differ);
 - accum-boundary: the reduced gradient is what a broken accumulation boundary gives (one micro-step's
   gradient missing or reduced twice, or the micro-steps never reduced);
@@ -171,6 +172,10 @@ def analyse(v: StepView) -> dict[str, Any] | None:
     if not failed:
         return None
     tag = f"step {v.step}"
+    setup = [c for c in failed if c.kind == "equal" and "noise model" not in c.name]
+    if setup:  # the row's own premise (the clip binds, capacity drops routes) does not hold
+        return _finding("loss", "vacuous-row", f"{setup[0].name.split(': ', 1)[-1]}: {setup[0].note}",
+                        f"{tag}, the row's premise")
     losses = [c for c in failed if ": loss" in c.name]
     if losses:
         what = losses[0].name.split(": ", 1)[1]

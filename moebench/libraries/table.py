@@ -31,11 +31,24 @@ def _line(cells: list[str], widths: list[int], gap: str = "  ") -> str:
     return gap.join(_cell(c, w) for c, w in zip(cells, widths)).rstrip()
 
 
+FEATURES_COLUMN = ("features", "features")
+"""Shown (after EP mode) when some row has features: what tells rows with the same model/backend/EP apart."""
+
+
+def _value(r: dict[str, Any], key: str) -> str:
+    if key == "time":
+        return f"{r['elapsed_s']:.1f}s"
+    value = r.get(key, "")
+    return "+".join(value) or "-" if isinstance(value, (list, tuple)) else str(value)
+
+
 def conformance(rows: list[dict[str, Any]], width: int = WIDTH) -> str:
     """One line per row; under a failing (or skipped) row its diagnosis, wrapped and indented."""
-    header = [h for h, _ in COLUMNS]
-    cells = [[f"{r['elapsed_s']:.1f}s" if key == "time" else str(r.get(key, "")) for _, key in COLUMNS]
-             for r in rows]
+    columns = list(COLUMNS)
+    if any(r.get("features") for r in rows):
+        columns.insert(5, FEATURES_COLUMN)
+    header = [h for h, _ in columns]
+    cells = [[_value(r, key) for _, key in columns] for r in rows]
     widths, gap = _fit(cells, header, width)
     out = [_line(header, widths, gap), _line(["-" * w for w in widths], widths, gap)]
     for r, c in zip(rows, cells):

@@ -327,7 +327,7 @@ def _first_divergence(first: Any, failed: list) -> dict[str, Any]:
     sentence = first.diagnosis["sentence"]
     if later:
         by_group = ", ".join(f"{g} {groups[g]}" for g in GROUPS if g in groups)
-        sentence += f"; {len(later)} later difference(s) follow from it ({by_group}): consequences, not causes"
+        sentence += f"; {len(later)} other failed comparison(s) follow from it ({by_group}): consequences, not causes"
     details = dict(first.diagnosis.get("details", {}))
     return {"name": first.diagnosis["name"], "sentence": sentence,
             "details": {**details, "consequences": len(later), "consequence_groups": groups,

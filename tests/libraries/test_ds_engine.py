@@ -75,6 +75,19 @@ def test_group_sizes_name_what_gives_a_scale():
     assert sizes.explain(1.5) == []
 
 
+def test_a_clip_that_does_not_bind_is_named_as_such_not_as_a_wrong_step():
+    from moebench.parity.compare import assertion
+
+    sizes = ds_mechanisms.GroupSizes(world=2, dp=2, ep=2, edp=1, grad_accum=1)
+    failed = assertion("ZeRO 1, step 1: clip binds (reference's unclipped global norm 0.2 > gradient_clipping 9)",
+                       False, note="the clip does not bind: the row would be vacuous")
+    view = ds_mechanisms.StepView(settings={"clip": 9.0}, sizes=sizes, step=1, rank=0, comparisons=[failed],
+                                  grads={}, updates={}, afters={}, wrong=set(), norm=None, per_slice=[], ref_grad={})
+    finding = ds_mechanisms.combine([ds_mechanisms.analyse(view), None], sizes=sizes, zero_stage=1, step=1)
+    assert finding["name"] == "vacuous-row"
+    assert finding["sentence"].endswith("the clip does not bind: the row would be vacuous")
+
+
 # ------------------------------------------------------------------ the pinned release (multirank)
 
 

@@ -89,6 +89,18 @@ def test_conformance_table_fits_80_columns_and_wraps_the_diagnosis():
     assert lines[-1].startswith("fairscale") and "pass" in lines[-1]
 
 
+def test_rows_with_features_get_a_features_column_within_80_columns():
+    rows = [{"library": "deepspeed", "version": "0.19.8", "model": "engine", "backend": "zero0", "ep_mode": "ep=4",
+             "world_size": 4, "features": features, "verdict": "pass", "elapsed_s": 1.9, "diagnosis": None}
+            for features in ([], ["clip"], ["grad-accum"])]
+    text = conformance(rows)
+    _fits(text)
+    lines = text.splitlines()
+    assert lines[0].split() == ["library", "version", "model", "backend", "EP", "mode", "features", "world",
+                                "verdict", "time"]
+    assert [line.split()[5] for line in lines[2:]] == ["-", "clip", "grad-accum"]
+
+
 @pytest.mark.multirank
 def test_library_fairscale_json_rows_and_run_folder():
     pytest.importorskip("fairscale", reason="fairscale is not installed: pip install 'moebench[fairscale]'")

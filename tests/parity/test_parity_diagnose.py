@@ -303,3 +303,22 @@ def test_router_gradient_from_slots_never_routed_is_named():
     d = record["diagnosis"]
     assert d["name"] == UNROUTED_SLOTS and "gate/router" in d["details"]["wrong"], d
     assert "output" in d["details"]["right"]
+
+
+def test_a_named_first_divergence_headlines_and_later_failures_are_its_consequences():
+    """A check that knows its causal order (the DeepSpeed engine rows) marks its first divergence; the
+    check's diagnosis is that mechanism, and the later failures are counted as consequences, not causes."""
+    from moebench.parity.diagnose import FIRST_DIVERGENCE
+
+    first = Comparison(name="first divergence: step 1, experts", passed=False, rank=0, kind="equal",
+                       diagnosis={"name": "expert-grad-scale", "sentence": "expert gradients scaled by 2",
+                                  "details": {FIRST_DIVERGENCE: True, "step": 1}})
+    e = torch.ones(4)
+    later = [compare("step 1: expert 0.weight update", 2 * e, e, STRICT, rank=0),
+             compare("step 2: loss", e + 1, e, STRICT, rank=0),
+             compare("step 2: inp.weight after the step", e + 1, e, STRICT, rank=1)]
+    d = summarise([first, *later], world_size=2, first=first)
+    assert d["name"] == "expert-grad-scale"
+    assert d["sentence"] == ("expert gradients scaled by 2; 3 other failed comparison(s) follow from it (output 1, "
+                             "experts 1, replicated 1): consequences, not causes")
+    assert d["details"]["consequences"] == 3 and d["details"]["step"] == 1
