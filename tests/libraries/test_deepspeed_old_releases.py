@@ -106,3 +106,20 @@ def test_a_release_with_the_fix_passes_every_row_and_records_its_version(release
     rows = _rows(_cli(release(FIXED_RELEASE), "--library", "deepspeed", "--json", results=tmp_path))
     assert len(rows) == 4 and {r["world_size"] for r in rows} == {2, 4}
     assert all(r["version"] == FIXED_RELEASE and r["verdict"] == "pass" for r in rows), rows
+
+
+ZERO_FLATTEN_RELEASE = "0.18.9"
+"""0.18.7 - 0.18.9 flatten ZeRO 1/2's parameter buffer on the accelerator from the parameters themselves
+(deepspeedai/DeepSpeed#7828): on the CPU accelerator the flat buffer keeps autograd history and the
+step's all-gather into its views raises (fixed by #7948, in 0.19.0)."""
+
+
+def test_a_release_whose_zero_step_raises_on_cpu_is_a_failing_engine_row(release, tmp_path):
+    rows = _rows(_cli(release(ZERO_FLATTEN_RELEASE), "--library", "deepspeed", "-n", "2", "--json",
+                      results=tmp_path))
+    by_model = {r["model"]: r for r in rows}
+    assert set(by_model) == {"moe.layer.MoE", "engine"} and all(r["version"] == ZERO_FLATTEN_RELEASE for r in rows)
+    assert by_model["moe.layer.MoE"]["verdict"] == "pass"
+    engine = by_model["engine"]
+    assert engine["verdict"] == "fail" and engine["diagnosis_name"] is None, engine
+    assert "Output 0 of Split is a view and is being modified inplace" in engine["diagnosis"], engine["diagnosis"]
