@@ -57,8 +57,9 @@ def read_user_config(path: str) -> tuple[dict[str, Any], list[str]]:
     for key, what in (("offload_optimizer", "optimizer state"), ("offload_param", "parameters")):
         device = zero.get(key, {}).get("device") if isinstance(zero.get(key), dict) else None
         if device not in (None, "none"):
-            notes.append(f"zero_optimization.{key}.device={device!r}: not honoured; the {what} stay in "
-                         "memory (offload needs a compiled op and does not change the reduction)")
+            notes.append(f"zero_optimization.{key}.device={device!r}: not honoured; nothing is offloaded "
+                         f"(offloading the {what} needs DeepSpeedCPUAdam, a compiled op): that path is not "
+                         "verified")
     clip = _number(user, "gradient_clipping", path, kind=float, low=0.0, notes=notes)
     if clip is not None:
         settings["clip"] = float(clip)

@@ -1,0 +1,125 @@
+"""Real older DeepSpeed releases, first on PYTHONPATH (slow tier): each is installed once with
+`pip install --target` into a cache folder (never into the venv) and the CLI runs the DeepSpeed rows and
+checks with it. A failing row on a real release is a finding: the test asserts the verdict and the
+diagnosis the tool gives there (docs/libraries.md lists the findings and their upstream issues).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+CACHE = Path(os.environ.get("MOEBENCH_TEST_CACHE", Path.home() / ".cache" / "moebench-test"))
+"""Where the releases are installed once and reused (delete a folder to reinstall it)."""
+PIP_TIMEOUT_S = 300.0
+"""pip downloads and builds a DeepSpeed sdist in seconds; minutes mean the registry is unreachable."""
+CLI_TIMEOUT_S = 900.0
+"""The first import of a fresh --target copy compiles its .pyc files (~1 min on 2 busy cores); the rows
+themselves take seconds."""
+OLDEST_RUNNING = "0.14.4"
+"""The oldest release that imports and builds MoE(...) here (torch 2.13 CPU): 0.14.0 needs
+intel_extension_for_pytorch for its CPU accelerator, 0.14.3 imports a torch API torch 2.13 removed."""
+
+
+def _install(version: str) -> Path:
+    """The folder holding deepspeed==version (installed on first use); skips when pip cannot get it."""
+    target = CACHE / f"deepspeed-{version}"
+    if (target / "deepspeed" / "__init__.py").is_file():
+        return target
+    partial = CACHE / f".deepspeed-{version}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--target", str(partial),
+                               "--no-deps", f"deepspeed=={version}"], capture_output=True, text=True,
+                              timeout=PIP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.skip(f"pip could not install deepspeed=={version} within {PIP_TIMEOUT_S:.0f} s")
+    if done.returncode != 0:
+        last = ([line for line in done.stderr.splitlines() if line.strip()] or ["?"])[-1]
+        pytest.skip(f"pip could not install deepspeed=={version}: {last.strip()}")
+    partial.rename(target)
+    return target
+
+
+@pytest.fixture(scope="session")
+def release():
+    """release(version) -> the folder to put first on PYTHONPATH."""
+    return _install
+
+
+def _cli(folder: Path, *args: str, results: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": f"{folder}{os.pathsep}{REPO}", "MOEBENCH_RESULTS": str(results)}
+    return subprocess.run([sys.executable, "-m", "moebench", "verify-parity", *args], env=env, text=True,
+                          capture_output=True, timeout=CLI_TIMEOUT_S)
+
+
+def _rows(done: subprocess.CompletedProcess) -> list[dict]:
+    assert done.returncode in (0, 1), done.stderr[-3000:]
+    return json.loads(done.stdout)["rows"]
+
+
+def test_releases_before_the_boundary_say_why_they_cannot_run(release, tmp_path):
+    done = _cli(release("0.14.0"), "--list", results=tmp_path)
+    block = " ".join(done.stdout.split("libraries (verify-parity --library NAME):")[1].split())
+    assert "deepspeed 0.14.0 no does not import here: ValueError: CPU_Accelerator requires " \
+           "intel_extension_for_pytorch" in block, block
+
+
+def test_oldest_running_release_finds_expert_updates_scaled_by_the_world_size_at_zero_1(release, tmp_path):
+    """DeepSpeed 0.14.4 - 0.15.0: with ZeRO 1/2 the expert gradients are averaged over the expert-data-
+    parallel group (size W / ep_size) instead of the data-parallel group (size W): at ep_size = W each
+    expert update is W times too large (deepspeedai/DeepSpeed#6545, fixed by #6546)."""
+    rows = _rows(_cli(release(OLDEST_RUNNING), "--library", "deepspeed", "--json", results=tmp_path))
+    assert {(r["model"], r["world_size"]) for r in rows} == {(m, w) for m in ("moe.layer.MoE", "engine")
+                                                             for w in (2, 4)}
+    for row in rows:
+        assert row["version"] == OLDEST_RUNNING
+        if row["model"] == "moe.layer.MoE":  # the layer alone (no engine) is right
+            assert row["verdict"] == "pass", row
+            continue
+        w = row["world_size"]
+        assert row["verdict"] == "fail" and row["diagnosis_name"] == "uniform-scale", row
+        assert "first failure: rank 0: ZeRO 1, step 1: expert" in row["diagnosis"], row["diagnosis"]
+        assert f"actual = {w} x expected everywhere" in row["diagnosis"], row["diagnosis"]
+    # the checks themselves say the same
+    checks = json.loads(_cli(release(OLDEST_RUNNING), "-n", "2", "--checks", "deepspeed-moe-ep,deepspeed-engine-ep",
+                             "--json", results=tmp_path).stdout)["checks"]
+    assert {c["name"]: c["status"] for c in checks} == {"deepspeed-moe-ep": "pass", "deepspeed-engine-ep": "fail"}
+    assert next(c for c in checks if c["status"] == "fail")["diagnosis"]["details"]["scales"] == [2]
+
+
+FIXED_RELEASE = "0.16.9"
+"""The last 0.16 release: DeepSpeed's fix for the expert-gradient scaling (#6546) is in since 0.15.4."""
+
+
+def test_a_release_with_the_fix_passes_every_row_and_records_its_version(release, tmp_path):
+    rows = _rows(_cli(release(FIXED_RELEASE), "--library", "deepspeed", "--json", results=tmp_path))
+    assert len(rows) == 4 and {r["world_size"] for r in rows} == {2, 4}
+    assert all(r["version"] == FIXED_RELEASE and r["verdict"] == "pass" for r in rows), rows
+
+
+ZERO_FLATTEN_RELEASE = "0.18.9"
+"""0.18.7 - 0.18.9 flatten ZeRO 1/2's parameter buffer on the accelerator from the parameters themselves
+(deepspeedai/DeepSpeed#7828): on the CPU accelerator the flat buffer keeps autograd history and the
+step's all-gather into its views raises (fixed by #7948, in 0.19.0)."""
+
+
+def test_a_release_whose_zero_step_raises_on_cpu_is_a_failing_engine_row(release, tmp_path):
+    rows = _rows(_cli(release(ZERO_FLATTEN_RELEASE), "--library", "deepspeed", "-n", "2", "--json",
+                      results=tmp_path))
+    by_model = {r["model"]: r for r in rows}
+    assert set(by_model) == {"moe.layer.MoE", "engine"} and all(r["version"] == ZERO_FLATTEN_RELEASE for r in rows)
+    assert by_model["moe.layer.MoE"]["verdict"] == "pass"
+    engine = by_model["engine"]
+    assert engine["verdict"] == "fail" and engine["diagnosis_name"] is None, engine
+    assert "Output 0 of Split is a view and is being modified inplace" in engine["diagnosis"], engine["diagnosis"]
