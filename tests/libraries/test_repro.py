@@ -155,6 +155,15 @@ def test_write_scripts_writes_one_per_failing_row_and_lists_them(tmp_path):
     assert all(len(line) <= 80 for line in shown)
 
 
+def test_an_unwritable_repro_dir_is_named_and_the_verdicts_kept(tmp_path):
+    (tmp_path / "afile").write_text("")
+    summary = {"checks": [{"name": "a/x", "status": "fail"}]}
+    out = repro.write_scripts(str(tmp_path / "afile" / "sub"), summary, {"a/x": (_Scripted(), ds_row())}, seed=0)
+    assert out["checks"] == summary["checks"] and out["repro"] == []
+    assert out["repro_error"].startswith(f"could not write {tmp_path / 'afile' / 'sub' / 'a__x.py'}: ")
+    assert repro.lines(out) == [f"error: --repro: {out['repro_error']}"]
+
+
 def test_repro_without_library_is_one_line(tmp_path):
     result = CliRunner().invoke(app, ["verify-parity", "--repro", str(tmp_path / "r")])
     assert result.exit_code == 2
