@@ -382,7 +382,8 @@ def verify_parity(
             typer.echo(summary["reason"], err=True)
         if summary.get("unsaved"):
             typer.echo(f"error: {summary['unsaved']}; the verdicts above are not saved", err=True)
-    raise typer.Exit(0 if summary["status"] == "ok" and not summary.get("unsaved") else 1)
+    failed = summary["status"] != "ok" or summary.get("unsaved") or summary.get("repro_error")
+    raise typer.Exit(1 if failed else 0)
 
 
 def _jsonable(doc):

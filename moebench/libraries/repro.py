@@ -6,7 +6,8 @@ against the same mathematics on one process, prints the first diverging quantity
 shows, 0 when it does not, 2 on a setup error. What a user attaches to an upstream bug report.
 
 After the run, each FAILING row whose adapter writes one becomes `DIR/<row key, / -> __>.py` (written
-atomically; rank 0 alone). The summary gains "repro": [{"check", "path"}] and "no_repro": [check names].
+atomically; rank 0 alone). The summary gains "repro": [{"check", "path"}] and "no_repro": [check names]
+(and "repro_error" when DIR could not be written: the run then exits 1).
 Templates live in repro_templates/: one per library with one line marked `# @SETTINGS@`, replaced by the
 row's settings as a JSON literal, and one `from harness import *` line marked @HARNESS@, replaced by
 harness.py (the parent, deadline, comparison and report every script shares): `fill`.
@@ -92,8 +93,12 @@ def write_scripts(directory: str, summary: dict[str, Any], rows: dict[str, tuple
             continue
         path = Path(directory) / script_name(name)
         if _is_writer():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(path, source)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                write_text_atomic(path, source)
+            except OSError as exc:  # the verdicts stand; the scripts not written are named
+                error = f"could not write {path}: {exc.strerror or exc}"
+                return {**summary, "repro": written, "no_repro": without, "repro_error": error}
         written.append({"check": name, "path": str(path)})
     return {**summary, "repro": written, "no_repro": without}
 
@@ -101,12 +106,14 @@ def write_scripts(directory: str, summary: dict[str, Any], rows: dict[str, tuple
 def lines(summary: dict[str, Any]) -> list[str]:
     """What the console says about the scripts (each line a path or a row name: at most one per row)."""
     out = []
+    if summary.get("repro_error"):
+        out.append(f"error: --repro: {summary['repro_error']}")
     if summary.get("repro"):
         out.append(f"reproduction script(s), {len(summary['repro'])} (run each: python PATH):")
         out += [f"  {_shown(item['path'])}" for item in summary["repro"]]
     for name in summary.get("no_repro", ()):
         out.append(f"no reproduction script for {name}")
-    if "repro" in summary and not summary["repro"] and not summary.get("no_repro"):
+    if "repro" in summary and not summary["repro"] and not summary.get("no_repro") and not summary.get("repro_error"):
         out.append("no failing row: no reproduction script written")
     return out
 

@@ -252,11 +252,16 @@ def describe():
     return f"DeepSpeed {deepspeed.__version__} engine, {SETTINGS['world_size']} gloo ranks: {shown}"
 
 
+NORMS = []
+"""The reference's global gradient norm per step (set by `notes`, read by `mechanism`)."""
+
+
 def notes(results):
     clip = float(SETTINGS.get("clip", 0.0))
+    NORMS[:] = results["reference"]["norms"]
     if clip <= 0:
         return []
-    norms = results["reference"]["norms"]
+    norms = NORMS
     binds = [i + 1 for i, n in enumerate(norms) if n > clip]
     where = "at every step" if len(binds) == len(norms) else f"at steps {binds}" if binds else "never"
     shown = ", ".join(f"{n:.3g}" for n in norms)
@@ -273,8 +278,13 @@ def mechanism(kind, rows):
     if kind == 1:
         return f"The reduced gradients of the {groups} group(s) differ (scaled by {factor})."
     if kind == 2 and k is not None:
-        return (f"Reduced gradients agree, every differing update is scaled by one factor ({factor}): "
+        said = (f"Reduced gradients agree, every differing update is scaled by one factor ({factor}): "
                 "the global gradient norm or the clip coefficient differs.")
+        step, clip = rows[0][0], float(SETTINGS.get("clip", 0.0))
+        if clip > 0 and step < len(NORMS) and NORMS[step] > clip and k > 0:  # the update is lr * clip / norm * g
+            said += (f" The engine clipped as if the global norm were {NORMS[step] / k:.4g}; the reference's "
+                     f"is {NORMS[step]:.4g}.")
+        return said
     if kind == 2:
         return "Reduced gradients agree, the applied step does not: partitioning or the copy back."
     return "The update agrees, the parameter does not: the updated partition was copied back wrongly."

@@ -142,7 +142,8 @@ def report(rows, kinds, where, mechanism):
               f"actual {float(actual.flatten()[flat]):.6g}")
     first = [r for r in bad if (r[0], r[1]) == (s, k)]
     groups = ", ".join(sorted({r[4] for r in first}))
-    print(f"  {len(first)} {kinds[k]} quantities differ at that step, in group(s): {groups}")
+    print(textwrap.fill(f"{len(first)} {kinds[k]} quantities differ at that step, in group(s): {groups}", 79,
+                        initial_indent="  ", subsequent_indent="  "))
     print(textwrap.fill(mechanism(k, first), 79, initial_indent="  ", subsequent_indent="  "))
     print(f"  {len(bad) - len(first)} later quantities differ as well: consequences of the first.")
     print(f"{len(bad)} of {len(rows)} quantities differ (exit 1).")
