@@ -108,7 +108,7 @@ def _tables(summary: dict, width: int) -> list:
     abs over max rel, rtol over atol); a block per check. Numbers are never wrapped or cut."""
     title = (f"verify-parity: {summary['world_size']} rank(s), {summary['comm_backend']}, "
              f"tolerance {summary['tolerance']}")
-    colour = {"pass": "green", "fail": "red", "skip": "yellow"}
+    colour = {"pass": "green", "fail": "red", "skip": "yellow", "refused": "yellow"}
     nothing_vacuous = not any(c["vacuous"] or c.get("unasserted") for c in summary["checks"])
     layouts = [_table(summary, title, colour, stacked=False, vacuous=True)]
     if nothing_vacuous:
@@ -197,7 +197,8 @@ def _print_library_table(summary: dict) -> None:
                f"tolerance {summary['tolerance']}")
     typer.echo(conformance(summary["rows"]))
     counts = summary["counts"]
-    typer.echo(f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped; "
+    refused = f", {counts['refused']} refused" if counts.get("refused") else ""
+    typer.echo(f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped{refused}; "
                f"{summary['vacuous_total']} vacuous comparison(s); {summary['wall_time_s']:.1f} s")
     typer.echo(f"saved to {summary['run_path']}")
 
@@ -218,6 +219,7 @@ EXAMPLES = """Examples:
   moebench verify-parity -n 9 --checks experts --tolerance seed \\
       --impl experts=soft_moe_pytorch.soft_moe:Experts
   moebench verify-parity --library fairscale,transformers
+  moebench verify-parity --library deepspeed --resume -n 4
   moebench verify-parity --list"""
 
 
@@ -260,6 +262,10 @@ def verify_parity(
         help="Verify installed MoE libraries instead of the checks: each library's rows (model x backend x "
         "EP mode) at world sizes 2 and 4, or at --world-size when given (see --list; docs/libraries.md).",
     ),
+    resume: bool = typer.Option(
+        False, "--resume", help="With --library: add the save -> load -> continue rows (deepspeed). A load the "
+        "library refuses is verdict 'refused' (its message), which does not fail the run.",
+    ),
 ) -> None:
     """Run the parity checks: exit 0 when all ran passed, 1 when any failed or none ran, 2 on bad input."""
     if list_checks:
@@ -267,6 +273,9 @@ def verify_parity(
         return
     if library is not None and checks is not None:
         raise UserError("runs the library rows, not checks; drop --checks or --library", flag="--library")
+    if resume and library is None:
+        raise UserError("adds resume rows to a library's matrix; give --library too, e.g. --library deepspeed",
+                        flag="--resume")
     import contextlib
     import functools
 
@@ -301,7 +310,8 @@ def verify_parity(
         names = _library_names(library)
         sizes = DEFAULT_WORLD_SIZES if world_size is None else (world_size,)
         require_ranks_fit(max(sizes))
-        execute = functools.partial(verify_libraries, names, sizes, config_fields=config_fields(config))
+        execute = functools.partial(verify_libraries, names, sizes, config_fields=config_fields(config),
+                                    resume=resume)
     try:
         with quiet_stdout:
             summary = execute(config, results_dir=results_dir, on_record=progress) if library is None else \

@@ -5,6 +5,7 @@
 - the engine (`deepspeed.initialize`, ZeRO 0/1/2, SGD steps), ep_size = W vs 1: the
   `deepspeed-engine-ep` check (moebench/parity/checks_engine.py).
 Each row runs that check's rank function, so its comparisons, tolerances and diagnoses are the check's.
+With `--resume`, the save -> load -> continue rows of moebench/libraries/ds_resume.py are added.
 """
 
 from __future__ import annotations
@@ -35,15 +36,33 @@ class DeepSpeed(InstalledLibrary):
             return "not installed: pip install -c moebench/constraints.txt deepspeed (a moebench dependency)"
         return None
 
-    def rows(self, world_size: int) -> list[Row]:
+    def rows(self, world_size: int, *, resume: bool = False) -> list[Row]:
+        """The matrix at `world_size`; `resume` adds the save -> load -> continue rows (ds_resume.py)."""
         if world_size < MIN_WORLD_SIZE:
             return []
-        return [Row(library=self.name, model=model, backend=backend, ep_mode=f"ep={world_size}",
+        rows = [Row(library=self.name, model=model, backend=backend, ep_mode=f"ep={world_size}",
                     world_size=world_size, features=features) for model, backend, features, _ in ROWS]
+        if resume:
+            from moebench.libraries.ds_resume import resume_rows
+
+            rows += resume_rows(world_size)
+        return rows
 
     def run_row(self, ctx, row: Row, opts) -> list:
+        if "resume" in row.features:
+            from moebench.libraries.ds_resume import run_resume_row
+
+            return run_resume_row(ctx, row, opts)
         check = next(check for model, backend, _, check in ROWS if (model, backend) == (row.model, row.backend))
         return load_all()[check].rank_fn(ctx, opts)
+
+    def repro_script(self, row: Row, seed: int) -> str | None:
+        """A standalone script reproducing a resume row (DS_API.md §4); None for the other rows."""
+        if "resume" not in row.features:
+            return None
+        from moebench.libraries.ds_resume_repro import repro_script
+
+        return repro_script(row, seed)
 
 
 ADAPTER = DeepSpeed()
