@@ -52,7 +52,8 @@ def row_checks(names: list[str], world_sizes: tuple[int, ...], *, resume: bool =
         for world_size in world_sizes:
             for row in _rows(adapter, world_size, resume):
                 labels = {"library": row.library, "version": version, "model": row.model, "backend": row.backend,
-                          "ep_mode": row.ep_mode, "world_size": row.world_size, "features": tuple(row.features), **dict(row.params)}
+                          "ep_mode": row.ep_mode, "world_size": row.world_size, "features": tuple(row.features),
+                          **dict(row.params)}
                 check = Check(
                     name=row.key(), order=ROW_ORDER + len(checks), seed_source=f"{row.library} {version}",
                     description=f"{row.library} {row.model} ({row.backend}, {row.ep_mode}) over {row.world_size} "

@@ -29,8 +29,7 @@ from moebench.distributed.launch import launch, local_world_size, resolve_backen
 from moebench.errors import Interrupted, UserError
 from moebench.parity.compare import TOLERANCE_MODES, Comparison
 from moebench.parity.diagnose import summarise
-from moebench.parity.registry import (Check, CheckOptions, Refused, SkipCheck, all_checks, load_all, parse_impls,
-                                      select)
+from moebench.parity.registry import Check, CheckOptions, Refused, SkipCheck, all_checks, load_all, parse_impls, select
 from moebench.results import STATUS_FAILED, STATUS_INTERRUPTED, STATUS_OK, RunDir
 
 DEFAULT_TIMEOUT_S = 120.0
