@@ -113,11 +113,15 @@ def _row(world: int, *, stage: int, ep: int, load_ep: int | None = None, load_st
                ("save_steps", SAVE_STEPS), ("continue_steps", CONTINUE_STEPS)]
     features = ("resume", *(["elastic"] if elastic else []), *(["universal"] if universal else []),
                 *(["data-before-expert"] if dbe else []), *([] if opt else ["no-optimizer-state"]))
-    variant = "resume" + (f"-to-ep{load_ep}" if load_ep != ep else "") + (
-        f"-to-zero{load_stage}" if load_stage != stage else "") + "".join(
-        f"-{f}" for f in features[1:])
-    return Row(library="deepspeed", model="engine", backend=f"zero{stage}", ep_mode=f"ep={ep}",
-               world_size=world, features=features, params=tuple(params), variant=variant)
+    model = "resume" + "".join(f"+{SHORT[f]}" for f in features[1:])
+    backend = f"zero{stage}" + (f"to{load_stage}" if load_stage != stage else "")
+    ep_mode = f"ep={ep}" + (f"to{load_ep}" if load_ep != ep else "")
+    return Row(library="deepspeed", model=model, backend=backend, ep_mode=ep_mode, world_size=world,
+               features=features, params=tuple(params), variant="resume")
+
+
+SHORT = {"elastic": "elastic", "universal": "universal", "data-before-expert": "dbe", "no-optimizer-state": "noopt"}
+"""A feature's short name in a resume row's model column (the table is 80 columns wide)."""
 
 
 def resume_rows(world: int) -> list[Row]:

@@ -74,7 +74,7 @@ def test_refusal_says_whether_the_message_names_the_real_cause():
 
 @pytest.mark.multirank
 def test_a_clean_resume_passes_and_a_refused_load_is_its_own_verdict(monkeypatch, tmp_path):
-    rows = _rows(2, "deepspeed/engine/zero1/ep=2/w2/resume", "deepspeed/engine/zero0/ep=2/w2/resume-to-ep1")
+    rows = _rows(2, "deepspeed/resume/zero1/ep=2/w2/resume", "deepspeed/resume/zero0/ep=2to1/w2/resume")
     summary = _run(monkeypatch, tmp_path, rows)
     ok, refused = summary["rows"]
     assert ok["verdict"] == "pass" and ok["features"] == ["resume"] and ok["zero_stage"] == 1
@@ -91,13 +91,13 @@ def test_a_clean_resume_passes_and_a_refused_load_is_its_own_verdict(monkeypatch
 
 FAULT_CASES = [
     # fault, row, diagnosis, experts named, a clause of the sentence
-    ("swap-masters", "deepspeed/engine/zero1/ep=2/w2/resume", "permutation", [0, 1],
+    ("swap-masters", "deepspeed/resume/zero1/ep=2/w2/resume", "permutation", [0, 1],
      "rank 0, local slot 0 holds global expert 1's fp32 master; it should hold expert 0"),
-    ("wrong-group-state", "deepspeed/engine/zero2/ep=2/w2/resume", "permutation", [0, 1, 2, 3],
+    ("wrong-group-state", "deepspeed/resume/zero2/ep=2/w2/resume", "permutation", [0, 1, 2, 3],
      "rank 0, local slot 0 holds global expert 2's fp32 master, exp_avg and exp_avg_sq; it should hold expert 0"),
-    ("one-rank-experts", "deepspeed/engine/zero0/ep=2/w2/resume", "permutation", [2, 3],
+    ("one-rank-experts", "deepspeed/resume/zero0/ep=2/w2/resume", "permutation", [2, 3],
      "rank 1, local slot 1 holds global expert 1's weights"),
-    ("skip-experts", "deepspeed/engine/zero1/ep=2/w2/resume", "not-restored", [0, 1, 2, 3],
+    ("skip-experts", "deepspeed/resume/zero1/ep=2/w2/resume", "not-restored", [0, 1, 2, 3],
      "experts 0, 1, 2, 3: weights still the fresh initialisation"),
 ]
 
@@ -141,13 +141,13 @@ def test_the_whole_matrix_at_world_4_within_3_minutes(tmp_path):
     verdicts = {r["check"]: r["verdict"] for r in resume}
     for stage in (0, 1, 2):  # what resumes exactly today (DeepSpeed 0.19.8)
         for ep in (4, 2):
-            assert verdicts[f"deepspeed/engine/zero{stage}/ep={ep}/w4/resume"] == "pass"
-        assert verdicts[f"deepspeed/engine/zero{stage}/ep=4/w4/resume-to-ep2"] == "refused"
+            assert verdicts[f"deepspeed/resume/zero{stage}/ep={ep}/w4/resume"] == "pass"
+        assert verdicts[f"deepspeed/resume/zero{stage}/ep=4to2/w4/resume"] == "refused"
 
 
-EXACT_ROWS = ["deepspeed/engine/zero0/ep=4/w4/resume", "deepspeed/engine/zero1/ep=2/w4/resume",
-              "deepspeed/engine/zero2/ep=4/w4/resume", "deepspeed/engine/zero2/ep=2/w4/resume-data-before-expert",
-              "deepspeed/engine/zero1/ep=2/w4/resume-elastic"]
+EXACT_ROWS = ["deepspeed/resume/zero0/ep=4/w4/resume", "deepspeed/resume/zero1/ep=2/w4/resume",
+              "deepspeed/resume/zero2/ep=4/w4/resume", "deepspeed/resume+dbe/zero2/ep=2/w4/resume",
+              "deepspeed/resume+elastic/zero1/ep=2/w4/resume"]
 
 
 @pytest.mark.slow
@@ -164,7 +164,7 @@ def test_no_false_alarm_over_five_seeds(monkeypatch, tmp_path, seed):
 @pytest.mark.parametrize("fault", sorted(ds_resume_faults.FAULTS))
 def test_every_fault_is_caught_at_world_4_on_every_stage_it_applies_to(monkeypatch, tmp_path, fault):
     stages = (1, 2) if fault in ("swap-masters", "wrong-group-state") else (0, 1, 2)
-    rows = _rows(4, *(f"deepspeed/engine/zero{s}/ep=4/w4/resume" for s in stages))
+    rows = _rows(4, *(f"deepspeed/resume/zero{s}/ep=4/w4/resume" for s in stages))
     summary = _run(monkeypatch, tmp_path, rows, fault=fault)
     for row, check in zip(summary["rows"], summary["checks"]):
         assert row["verdict"] == "fail", row
