@@ -169,3 +169,37 @@ def test_every_fault_is_caught_at_world_4_on_every_stage_it_applies_to(monkeypat
     for row, check in zip(summary["rows"], summary["checks"]):
         assert row["verdict"] == "fail", row
         assert _restore_diagnosis(check)["name"] in ("permutation", "not-restored", "split-restore")
+
+
+def _repro(tmp_path, key: str, fault: str | None) -> subprocess.CompletedProcess:
+    (row,) = _rows(2, key)
+    script = tmp_path / "repro.py"
+    script.write_text(ds_adapter.ADAPTER.repro_script(row, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MOEBENCH_INJECT_FAULT")}
+    env["DS_ACCELERATOR"] = "cpu"  # the fault module imports DeepSpeed before the script could say so
+    if fault:
+        env.update(PYTHONPATH=f"{ROOT / 'tests' / 'faults' / 'inject'}:{ROOT}",
+                   MOEBENCH_INJECT_FAULT=f"ds_resume_faults:{fault}")
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=400, check=False)
+
+
+def test_repro_script_is_standalone_and_only_for_resume_rows():
+    (row,) = _rows(2, "deepspeed/resume/zero1/ep=2/w2/resume")
+    source = ds_adapter.ADAPTER.repro_script(row, 3)
+    assert "moebench" not in source.replace(row.key(), "")
+    compile(source, "repro.py", "exec")
+    assert ds_adapter.ADAPTER.repro_script(ds_adapter.ADAPTER.rows(2)[0], 0) is None
+
+
+@pytest.mark.multirank
+@pytest.mark.faults
+def test_repro_script_exits_1_with_the_fault_and_0_without(tmp_path):
+    broken = _repro(tmp_path, "deepspeed/resume/zero1/ep=2/w2/resume", "swap-masters")
+    assert broken.returncode == 1, broken.stderr[-3000:]
+    assert "first: rank 0, global expert 0, fp32 master after the load" in broken.stdout
+    assert "it holds global expert 1's fp32 master" in broken.stdout
+    assert all(len(line) <= 80 for line in broken.stdout.splitlines())
+    clean = _repro(tmp_path, "deepspeed/resume/zero1/ep=2/w2/resume", None)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    assert "0 restored slot(s) differ" in clean.stdout
