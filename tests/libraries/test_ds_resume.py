@@ -166,9 +166,10 @@ def test_every_fault_is_caught_at_world_4_on_every_stage_it_applies_to(monkeypat
     stages = (1, 2) if fault in ("swap-masters", "wrong-group-state") else (0, 1, 2)
     rows = _rows(4, *(f"deepspeed/resume/zero{s}/ep=4/w4/resume" for s in stages))
     summary = _run(monkeypatch, tmp_path, rows, fault=fault)
+    expected = {case[0]: case[2] for case in FAULT_CASES}[fault]
     for row, check in zip(summary["rows"], summary["checks"]):
-        assert row["verdict"] == "fail", row
-        assert _restore_diagnosis(check)["name"] in ("permutation", "not-restored", "split-restore")
+        assert row["verdict"] == "fail" and row["diagnosis_name"] == expected, row
+        assert _restore_diagnosis(check)["name"] == expected
 
 
 def _repro(tmp_path, key: str, fault: str | None) -> subprocess.CompletedProcess:
@@ -203,3 +204,11 @@ def test_repro_script_exits_1_with_the_fault_and_0_without(tmp_path):
     clean = _repro(tmp_path, "deepspeed/resume/zero1/ep=2/w2/resume", None)
     assert clean.returncode == 0, clean.stderr[-3000:]
     assert "0 restored slot(s) differ" in clean.stdout
+
+
+def test_a_run_whose_rows_were_all_refused_is_not_a_pass():
+    from moebench.parity.runner import no_check_ran
+
+    summary = {"counts": {"pass": 0, "fail": 0, "skip": 1, "refused": 2}, "checks": []}
+    assert no_check_ran(summary) == "no check passed: 2 refused by the library, the rest skipped"
+    assert no_check_ran({"counts": {"pass": 1, "fail": 0, "skip": 0, "refused": 2}, "checks": []}) == ""
