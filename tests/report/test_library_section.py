@@ -129,3 +129,5 @@ def test_a_refused_row_is_counted_as_refused(root):
     md = (build.build_report([], root=str(root)).path / "REPORT.md").read_text()
     assert f"{len(data['rows']) - 1} pass, 0 fail, 0 skip, 1 refused by the library." in md
     assert "| refused |" in md[md.index(HEADING):]
+    out = _cli("report", "--results-dir", str(root))
+    assert f"{len(data['rows'])} rows, {len(data['rows']) - 1} pass, 0 fail, 0 skip, 1 refused" in out.stdout
