@@ -110,7 +110,7 @@ def _tables(summary: dict, width: int) -> list:
     abs over max rel, rtol over atol); a block per check. Numbers are never wrapped or cut."""
     title = (f"verify-parity: {summary['world_size']} rank(s), {summary['comm_backend']}, "
              f"tolerance {summary['tolerance']}")
-    colour = {"pass": "green", "fail": "red", "skip": "yellow"}
+    colour = {"pass": "green", "fail": "red", "skip": "yellow", "refused": "yellow"}
     nothing_vacuous = not any(c["vacuous"] or c.get("unasserted") for c in summary["checks"])
     layouts = [_table(summary, title, colour, stacked=False, vacuous=True)]
     if nothing_vacuous:
@@ -199,7 +199,8 @@ def _print_library_table(summary: dict) -> None:
                f"tolerance {summary['tolerance']}")
     typer.echo(conformance(summary["rows"]))
     counts = summary["counts"]
-    typer.echo(f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped; "
+    refused = f", {counts['refused']} refused" if counts.get("refused") else ""
+    typer.echo(f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped{refused}; "
                f"{summary['vacuous_total']} vacuous comparison(s); {summary['wall_time_s']:.1f} s")
     typer.echo(f"saved to {summary['run_path']}")
 
@@ -250,6 +251,7 @@ EXAMPLES = """Examples:
   moebench verify-parity -n 9 --checks experts --tolerance seed \\
       --impl experts=soft_moe_pytorch.soft_moe:Experts
   moebench verify-parity --library fairscale,transformers
+  moebench verify-parity --library deepspeed --resume -n 4
   moebench verify-parity --list"""
 
 
@@ -302,6 +304,10 @@ def verify_parity(
         help="With --library: write a standalone script (python, torch and the library only) reproducing each "
         "failing row into DIR, for an upstream bug report (docs/libraries.md).",
     ),
+    resume: bool = typer.Option(
+        False, "--resume", help="With --library: add the save -> load -> continue rows (deepspeed). A load the "
+        "library refuses is verdict 'refused' (its message), which does not fail the run.",
+    ),
 ) -> None:
     """Run the parity checks: exit 0 when all ran passed, 1 when any failed or none ran, 2 on bad input."""
     if list_checks:
@@ -314,6 +320,9 @@ def verify_parity(
         library, user_configs, summary_extra = _ds_config(ds_config, library, checks)
     if repro is not None and library is None:
         raise UserError("writes scripts for failing library rows; add --library NAME", flag="--repro")
+    if resume and library is None:
+        raise UserError("adds resume rows to a library's matrix; give --library too, e.g. --library deepspeed",
+                        flag="--resume")
     import contextlib
     import functools
 
@@ -350,7 +359,7 @@ def verify_parity(
         require_ranks_fit(max(sizes))
         execute = functools.partial(verify_libraries, names, sizes, config_fields=config_fields(config),
                                     user_configs=user_configs, summary_extra=summary_extra,
-                                    repro_dir=repro)
+                                    repro_dir=repro, resume=resume)
         if summary_extra and _is_printer() and not as_json:
             _print_notes(ds_config, summary_extra["ds_config"])
     try:

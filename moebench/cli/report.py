@@ -67,7 +67,8 @@ def report(
     if outcome.library is not None:  # its own section: never the parity verdict's run
         lib_rows = outcome.library.summary.get("rows") or []
         typer.echo(f"{'library':<10} {outcome.library.run_id} ({outcome.library.status}): {len(lib_rows)} rows, "
-                   + ", ".join(f"{sum(r['verdict'] == v for r in lib_rows)} {v}" for v in ("pass", "fail", "skip")))
+                   + ", ".join(f"{sum(r['verdict'] == v for r in lib_rows)} {v}" for v in ("pass", "fail", "skip"))
+                   + "".join(f", {n} refused" for n in [sum(r["verdict"] == "refused" for r in lib_rows)] if n))
     from moebench.console import print_fitting
 
     print_fitting(console, verdict_table(outcome.rows), verdict_table(outcome.rows, stacked=True))

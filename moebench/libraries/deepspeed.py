@@ -6,6 +6,7 @@
 - `engine`, ZeRO 0/1/2 x every ep_size dividing W x (plain, grad-accum, clip, bf16, and the layer
   options top-2 / drops / residual at ep_size = W): ds_engine.matrix(); with a user's config
   (`user_config`), one row per ep_size with the user's settings instead.
+  With `resume` (--resume), the save -> load -> continue rows of ds_resume.py are added.
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ class DeepSpeed(InstalledLibrary):
             return "not installed: pip install -c moebench/constraints.txt deepspeed (a moebench dependency)"
         return _import_problem(importlib.util.find_spec(self.import_name).origin)
 
-    def rows(self, world_size: int, user_config: dict[str, Any] | None = None) -> list[Row]:
+    def rows(self, world_size: int, user_config: dict[str, Any] | None = None, *,
+             resume: bool = False) -> list[Row]:
         """The matrix at `world_size`; with `user_config` (zero_stage / clip / grad_accum / precision from
         a user's DeepSpeed config) one engine row per ep_size dividing W with those settings instead."""
         from moebench.libraries import ds_engine
@@ -109,13 +111,23 @@ class DeepSpeed(InstalledLibrary):
         if world_size < MIN_WORLD_SIZE:
             return []
         if user_config is not None:
-            return [ds_engine.row_of(s, world_size, variant="ds-config")
+            rows = [ds_engine.row_of(s, world_size, variant="ds-config")
                     for s in ds_engine.user_rows_settings(world_size, user_config)]
-        layer = [Row(library=self.name, model=model, backend=backend, ep_mode=f"ep={world_size}",
-                     world_size=world_size, features=features) for model, backend, features, _ in ROWS]
-        return layer + [ds_engine.row_of(s, world_size) for s in ds_engine.matrix(world_size)]
+        else:
+            rows = [Row(library=self.name, model=model, backend=backend, ep_mode=f"ep={world_size}",
+                        world_size=world_size, features=features) for model, backend, features, _ in ROWS]
+            rows += [ds_engine.row_of(s, world_size) for s in ds_engine.matrix(world_size)]
+        if resume:
+            from moebench.libraries.ds_resume import resume_rows
+
+            rows += resume_rows(world_size)
+        return rows
 
     def run_row(self, ctx, row: Row, opts) -> list:
+        if "resume" in row.features:
+            from moebench.libraries.ds_resume import run_resume_row
+
+            return run_resume_row(ctx, row, opts)
         if row.model == "engine":
             from moebench.libraries import ds_engine
 
@@ -124,7 +136,11 @@ class DeepSpeed(InstalledLibrary):
         return load_all()[check].rank_fn(ctx, opts)
 
     def repro_script(self, row: Row, seed: int) -> str | None:
-        """A standalone script reproducing an engine row (DS_API.md §4); None for other rows."""
+        """A standalone script reproducing an engine or a resume row (DS_API.md §4); None for the others."""
+        if "resume" in row.features:
+            from moebench.libraries.ds_resume_repro import repro_script
+
+            return repro_script(row, seed)
         from moebench.libraries.repro import deepspeed_engine_script
 
         return deepspeed_engine_script(row, seed)

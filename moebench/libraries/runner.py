@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import os
 from typing import Any, Callable, Iterator
 
@@ -32,19 +33,30 @@ def _row_rank(name: str, row: Row, ctx, opts: CheckOptions) -> list:
     return adapter.run_row(ctx, row, opts)
 
 
-def row_checks(names: list[str], world_sizes: tuple[int, ...], *,
+def _rows(adapter, world_size: int, resume: bool, user_config: dict[str, Any] | None) -> list[Row]:
+    """The adapter's rows; with `user_config` (--ds-config) the rows of the user's settings; with `resume`
+    its resume rows too (an adapter without any: a UserError)."""
+    kwargs: dict[str, Any] = {} if user_config is None else {"user_config": user_config}
+    if not resume:
+        return adapter.rows(world_size, **kwargs)
+    if "resume" not in inspect.signature(adapter.rows).parameters:
+        raise UserError(f"{adapter.name} has no resume rows; drop --resume or pick a library that has them",
+                        flag="--resume")
+    return adapter.rows(world_size, resume=True, **kwargs)
+
+
+def row_checks(names: list[str], world_sizes: tuple[int, ...], *, resume: bool = False,
                user_configs: dict[str, dict[str, Any]] | None = None) -> list[Check]:
     """One check per row of the named libraries at each world size, in that order (not registered:
-    see `registered`). `user_configs` maps a library's name to the user's own settings (--ds-config):
-    that adapter's rows are then `adapter.rows(world_size, user_config=...)`."""
+    see `registered`); `resume` adds each library's resume rows. `user_configs` maps a library's name to
+    the user's own settings (--ds-config): that adapter's rows are then `adapter.rows(world_size,
+    user_config=...)`."""
     checks: list[Check] = []
     for adapter in registry.require(names):
         version = adapter.version() or "?"
         user_config = (user_configs or {}).get(adapter.name)
         for world_size in world_sizes:
-            rows = adapter.rows(world_size) if user_config is None else adapter.rows(world_size,
-                                                                                     user_config=user_config)
-            for row in rows:
+            for row in _rows(adapter, world_size, resume, user_config):
                 labels = {"library": row.library, "version": version, "model": row.model, "backend": row.backend,
                           "ep_mode": row.ep_mode, "world_size": row.world_size, "features": tuple(row.features),
                           **dict(row.params)}
@@ -107,8 +119,9 @@ def verify_libraries(names: list[str], world_sizes: tuple[int, ...], *, config_f
                      results_dir: str | None = None, on_record: Callable | None = None,
                      user_configs: dict[str, dict[str, Any]] | None = None,
                      summary_extra: dict[str, Any] | None = None,
-                     repro_dir: str | None = None) -> dict[str, Any]:
-    """Run the rows of `names` at `world_sizes` through verify_parity; the summary has "rows" (and the
+                     repro_dir: str | None = None, resume: bool = False) -> dict[str, Any]:
+    """Run the rows of `names` at `world_sizes` (`resume`: with
+    their resume rows) through verify_parity; the summary has "rows" (and the
     keys of `summary_extra`, e.g. "ds_config"). `user_configs`: see row_checks. With `repro_dir`, a
     reproduction script per failing row that has one (libraries/repro.py)."""
     from moebench.distributed.launch import under_torchrun
@@ -116,7 +129,7 @@ def verify_libraries(names: list[str], world_sizes: tuple[int, ...], *, config_f
 
     if under_torchrun():  # the job's world is the only one there is
         world_sizes = (int(os.environ["WORLD_SIZE"]),)
-    with registered(row_checks(names, world_sizes, user_configs=user_configs)) as checks:
+    with registered(row_checks(names, world_sizes, resume=resume, user_configs=user_configs)) as checks:
         config = ParityConfig(**{**config_fields, "world_size": max(world_sizes),
                                  "checks": tuple(c.name for c in checks)})
         rows = {c.name: (registry.load(c.rank_fn.args[0]), c.rank_fn.args[1]) for c in checks}

@@ -283,6 +283,8 @@ def summarise(comparisons: list, world_size: int, first: Any = None) -> dict[str
     first = first if first is not None else failed[0]
     if first.diagnosis and first.diagnosis.get("details", {}).get(FIRST_DIVERGENCE):
         return _first_divergence(first, failed)
+    if first.diagnosis and first.diagnosis.get("details", {}).get("scope") == "row":
+        return first.diagnosis  # already over every rank's comparisons (parity/restore.py): the check's own
     groups: dict[str, list[int]] = {}
     for c in asserted:
         g = groups.setdefault(group_of(c.name), [0, 0])

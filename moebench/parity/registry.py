@@ -64,6 +64,12 @@ class SkipCheck(Exception):
     """Raised by a rank function to skip its check with a reason."""
 
 
+class Refused(Exception):
+    """Raised by a rank function (on every rank) when the library under test refused the operation the
+    check asks of it (e.g. a checkpoint load): the check's status is "refused", with this message. A
+    refusal is a documented limitation, not a failure: it does not by itself fail the run."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckOptions:
     """What every rank of every check is told (must stay picklable)."""

@@ -137,7 +137,8 @@ def _holds_sentences(wrong: list[Finding]) -> list[str]:
 
 
 def diagnose_restore(findings: list[Finding]) -> dict[str, Any] | None:
-    """One diagnosis {name, sentence, details} for a row's findings; None when everything was restored.
+    """One diagnosis {name, sentence, details} for a row's findings (every rank's: details["scope"] is "row", so
+    the runner takes it whole as the check's diagnosis); None when everything was restored.
 
     The name, by what a maintainer must fix first: not-restored (a slot never loaded) > permutation
     (a slot holds another expert's state) > split-restore (weights right, the rest wrong in no
@@ -164,7 +165,7 @@ def diagnose_restore(findings: list[Finding]) -> dict[str, Any] | None:
                      "starts at the next optimizer step")
     name = NOT_RESTORED if fresh else PERMUTATION if holds else SPLIT_RESTORE if weights_right else UNEXPLAINED
     return {"name": name, "sentence": "; ".join(parts),
-            "details": {"weights_right": weights_right, "findings": [f.to_dict() for f in wrong],
+            "details": {"scope": "row", "weights_right": weights_right, "findings": [f.to_dict() for f in wrong],
                         "experts": sorted({f.slot.unit for f in wrong if isinstance(f.slot.unit, int)})}}
 
 
@@ -175,6 +176,8 @@ def as_comparison(finding: Finding, name: str, *, diagnosis: dict[str, Any] | No
     note = "" if passed else (f"holds {finding.holds}'s {finding.quantity}" if finding.state == HOLDS
                               else f"{finding.quantity} is the fresh initialisation" if finding.state == FRESH
                               else f"{finding.quantity} like no expert's")
+    if not passed:  # an "equal" record carries no numbers (the runner prints rank: name: note)
+        note += f" (max |diff| {finding.max_abs_diff:.3g})"
     return Comparison(name=name, passed=passed, rank=finding.slot.rank, kind="equal", rtol=0.0, atol=0.0,
-                      max_abs_diff=finding.max_abs_diff, tolerance_source="exact equality (same layout)",
-                      note=note, diagnosis=None if passed else diagnosis)
+                      tolerance_source="exact equality (same layout)", note=note,
+                      diagnosis=None if passed else diagnosis)

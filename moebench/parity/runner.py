@@ -3,7 +3,9 @@
 The audit turns per-rank comparison lists into one record per check:
 - "pass": every rank returned, >= 1 asserted comparison, all asserted comparisons passed;
 - "fail": a comparison failed, a rank raised / hung / died, or nothing was asserted;
-- "skip": world size outside the check's range, a missing requirement, or the check said so.
+- "skip": world size outside the check's range, a missing requirement, or the check said so;
+- "refused": the library refused what the check asked (registry.Refused), with its message: a
+  documented limitation, which does not by itself fail the run.
 Vacuous comparisons (tolerance not below magnitude, or not asserted at all) are counted and
 flagged, never hidden. A run in which no check passed is a failed run ("no check ran").
 """
@@ -27,7 +29,7 @@ from moebench.distributed.launch import launch, local_world_size, resolve_backen
 from moebench.errors import Interrupted, UserError
 from moebench.parity.compare import TOLERANCE_MODES, Comparison
 from moebench.parity.diagnose import summarise
-from moebench.parity.registry import Check, CheckOptions, SkipCheck, all_checks, load_all, parse_impls, select
+from moebench.parity.registry import Check, CheckOptions, Refused, SkipCheck, all_checks, load_all, parse_impls, select
 from moebench.results import STATUS_FAILED, STATUS_INTERRUPTED, STATUS_OK, RunDir
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -110,7 +112,7 @@ class CheckRecord:
     """One check's outcome: what the table and summary.json show."""
 
     name: str
-    status: str  # pass / fail / skip
+    status: str  # pass / fail / skip / refused
     seed_source: str
     description: str
     catches: str
@@ -174,6 +176,8 @@ def _rank_entry(ctx, check_name: str, opts: CheckOptions) -> dict:
         comparisons = check.rank_fn(ctx, opts)
     except SkipCheck as exc:
         return {"skip": str(exc) or "skipped by the check"}
+    except Refused as exc:
+        return {"refused": str(exc) or "refused by the library"}
     out = []
     for c in comparisons:
         if c.rank is None:
@@ -191,6 +195,10 @@ def _audit(check: Check, result, world_size: int) -> CheckRecord:
     skips = [r["skip"] for r in result.returns if r and "skip" in r]
     if skips:
         return CheckRecord(**base, status="skip", reason=skips[0])
+    refusals = [r["refused"] for r in result.returns if r and "refused" in r]
+    if refusals:
+        return CheckRecord(**base, status="refused", reason=refusals[0],
+                           diagnosis={"name": "refused", "sentence": refusals[0], "details": {}})
     indexed = [(i, Comparison(**c)) for r in result.returns for i, c in enumerate(r["comparisons"])]
     comps = [c for _, c in indexed]
     for c in comps:
@@ -310,7 +318,9 @@ def run_checks(config: ParityConfig, *, on_record: Callable[[CheckRecord], None]
         records.append(record)
         if on_record is not None:
             on_record(record)
-    counts = {s: sum(1 for r in records if r.status == s) for s in ("pass", "fail", "skip")}
+    counts = {s: sum(1 for r in records if r.status == s) for s in ("pass", "fail", "skip", "refused")}
+    if not counts["refused"]:  # only runs with a refusal carry the key (the library rows' --resume)
+        del counts["refused"]
     return {
         "world_size": world_size,
         "comm_backend": resolved,
@@ -330,6 +340,8 @@ def no_check_ran(summary: dict[str, Any]) -> str:
     """The reason a run in which no check passed and none failed is still a failure ("" otherwise)."""
     if summary["counts"]["pass"] or summary["counts"]["fail"]:
         return ""
+    if summary["counts"].get("refused"):
+        return f"no check passed: {summary['counts']['refused']} refused by the library, the rest skipped"
     skipped = [f"{c['name']} ({c['reason']})" for c in summary["checks"]]
     return f"no check ran: all {len(skipped)} selected check(s) were skipped: " + "; ".join(skipped)
 

@@ -311,12 +311,13 @@ def _library_blocks(run: collect.Run | None, out: Path) -> list[Block]:
     summary = run.summary
     rows = summary.get("rows") or []
     names = ", ".join(dict.fromkeys(r["library"] for r in rows)) or "no row"
-    counts = {v: sum(r["verdict"] == v for r in rows) for v in ("pass", "fail", "skip")}
+    counts = {v: sum(r["verdict"] == v for r in rows) for v in ("pass", "fail", "skip", "refused")}
+    refused = f", {counts['refused']} refused by the library" if counts["refused"] else ""
     blocks: list[Block] = [Heading("Library conformance (verify-parity --library)"), Para(
         f"verify-parity --library {run.run_id} ({names}): status {run.status}"
         + ("" if run.ok else f" ({run.not_ok_reason()})") + f", {summary.get('comm_backend')}, tolerance "
         f"{summary.get('tolerance')}; {len(rows)} row(s): {counts['pass']} pass, {counts['fail']} fail, "
-        f"{counts['skip']} skip. Each row is one library version x model x expert backend x EP mode x world "
+        f"{counts['skip']} skip{refused}. Each row is one library version x model x expert backend x EP mode x world "
         "size, compared with the same block on one process with identical weights (docs/libraries.md). "
         "It does not judge the chapter's parity claim, which comes from the latest whole-suite run.")]
     checks = {c["name"]: c for c in summary.get("checks") or []}

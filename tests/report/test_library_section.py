@@ -118,3 +118,16 @@ def test_the_console_names_the_library_run_apart_from_parity(root):
     assert f"parity     {suite.name} (ok)" in out.stdout
     line = f"library    {library.name} (ok): {len(rows)} rows, {len(rows)} pass, 0 fail, 0 skip"
     assert line in out.stdout.splitlines() and len(line) <= 80
+
+
+def test_a_refused_row_is_counted_as_refused(root):
+    _, library = _runs(root)
+    data = json.loads((library / "summary.json").read_text())
+    data["rows"][0] = {**data["rows"][0], "verdict": "refused", "diagnosis_name": "refused",
+                       "diagnosis": "refused: DeepSpeed refused the load: RuntimeError: parameter-alignment"}
+    (library / "summary.json").write_text(json.dumps(data))
+    md = (build.build_report([], root=str(root)).path / "REPORT.md").read_text()
+    assert f"{len(data['rows']) - 1} pass, 0 fail, 0 skip, 1 refused by the library." in md
+    assert "| refused |" in md[md.index(HEADING):]
+    out = _cli("report", "--results-dir", str(root))
+    assert f"{len(data['rows'])} rows, {len(data['rows']) - 1} pass, 0 fail, 0 skip, 1 refused" in out.stdout
