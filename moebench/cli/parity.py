@@ -260,6 +260,9 @@ def verify_parity(
         help="Verify installed MoE libraries instead of the checks: each library's rows (model x backend x "
         "EP mode) at world sizes 2 and 4, or at --world-size when given (see --list; docs/libraries.md).",
     ),
+    resume: bool = typer.Option(
+        False, "--resume", help="With --library: add the resume rows (save, load into a fresh model at the same "
+        "and another layout, continue; vs the uninterrupted run)."),
 ) -> None:
     """Run the parity checks: exit 0 when all ran passed, 1 when any failed or none ran, 2 on bad input."""
     if list_checks:
@@ -267,6 +270,8 @@ def verify_parity(
         return
     if library is not None and checks is not None:
         raise UserError("runs the library rows, not checks; drop --checks or --library", flag="--library")
+    if resume and library is None:
+        raise UserError("adds resume rows to a library's matrix; give --library NAME too", flag="--resume")
     import contextlib
     import functools
 
@@ -301,7 +306,8 @@ def verify_parity(
         names = _library_names(library)
         sizes = DEFAULT_WORLD_SIZES if world_size is None else (world_size,)
         require_ranks_fit(max(sizes))
-        execute = functools.partial(verify_libraries, names, sizes, config_fields=config_fields(config))
+        execute = functools.partial(verify_libraries, names, sizes, config_fields=config_fields(config),
+                                    resume=resume)
     try:
         with quiet_stdout:
             summary = execute(config, results_dir=results_dir, on_record=progress) if library is None else \

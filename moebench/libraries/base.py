@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import importlib.util
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from moebench.parity.compare import Comparison
@@ -27,10 +27,17 @@ class Row:
     """Ranks this row runs on."""
     features: tuple[str, ...] = ()
     """What else the row verifies, e.g. ("loss-curve",)."""
+    params: tuple[tuple[str, Any], ...] = ()
+    """Library settings of the row as (name, value) pairs, e.g. (("zero_stage", 1), ("ep_size", 2)); each
+    becomes a field of the row's JSON record (values: JSON scalars)."""
+    variant: str = ""
+    """What tells this row from its siblings with the same model/backend/ep_mode (e.g. "clip", "resume");
+    appended to key() when not empty."""
 
     def key(self) -> str:
-        """The row's stable id, also its parity check's name: library/model/backend/ep_mode/wN."""
-        return f"{self.library}/{self.model}/{self.backend}/{self.ep_mode}/w{self.world_size}"
+        """The row's stable id, also its parity check's name: library/model/backend/ep_mode/wN[/variant]."""
+        base = f"{self.library}/{self.model}/{self.backend}/{self.ep_mode}/w{self.world_size}"
+        return f"{base}/{self.variant}" if self.variant else base
 
 
 class Adapter(Protocol):

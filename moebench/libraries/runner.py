@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import os
 from typing import Any, Callable, Iterator
 
@@ -32,20 +33,36 @@ def _row_rank(name: str, row: Row, ctx, opts: CheckOptions) -> list:
     return adapter.run_row(ctx, row, opts)
 
 
-def row_checks(names: list[str], world_sizes: tuple[int, ...]) -> list[Check]:
+def _rows(adapter, world_size: int, resume: bool) -> list[Row]:
+    """The adapter's rows at `world_size`; with `resume`, its resume rows too (adapters whose rows() take
+    `resume`; the others have none)."""
+    if resume and "resume" in inspect.signature(adapter.rows).parameters:
+        return adapter.rows(world_size, resume=True)
+    return adapter.rows(world_size)
+
+
+def _description(row: Row) -> str:
+    if "resume" in row.features:
+        return (f"{row.library} {row.model} ({row.backend}, {row.ep_mode}) over {row.world_size} ranks: save, load "
+                "into a fresh model, continue; vs the uninterrupted run")
+    return (f"{row.library} {row.model} ({row.backend}, {row.ep_mode}) over {row.world_size} ranks vs one process "
+            "with the same weights")
+
+
+def row_checks(names: list[str], world_sizes: tuple[int, ...], *, resume: bool = False) -> list[Check]:
     """One check per row of the named libraries at each world size, in that order (not registered:
-    see `registered`)."""
+    see `registered`). `resume` adds the libraries' resume rows (--resume)."""
     checks: list[Check] = []
     for adapter in registry.require(names):
         version = adapter.version() or "?"
         for world_size in world_sizes:
-            for row in adapter.rows(world_size):
+            for row in _rows(adapter, world_size, resume):
                 labels = {"library": row.library, "version": version, "model": row.model, "backend": row.backend,
-                          "ep_mode": row.ep_mode, "world_size": row.world_size, "features": tuple(row.features)}
+                          "ep_mode": row.ep_mode, "world_size": row.world_size, "features": tuple(row.features),
+                          **dict(row.params)}
                 check = Check(
                     name=row.key(), order=ROW_ORDER + len(checks), seed_source=f"{row.library} {version}",
-                    description=f"{row.library} {row.model} ({row.backend}, {row.ep_mode}) over {row.world_size} "
-                    "ranks vs one process with the same weights",
+                    description=_description(row),
                     catches=getattr(adapter, "catches", "an expert-parallel path whose outputs or gradients "
                                                         "differ from one process"),
                     rank_fn=functools.partial(_row_rank, adapter.name, row), world_size=row.world_size,
@@ -98,14 +115,16 @@ def with_rows(summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def verify_libraries(names: list[str], world_sizes: tuple[int, ...], *, config_fields: dict[str, Any],
-                     results_dir: str | None = None, on_record: Callable | None = None) -> dict[str, Any]:
-    """Run the rows of `names` at `world_sizes` through verify_parity; the summary has "rows"."""
+                     results_dir: str | None = None, on_record: Callable | None = None,
+                     resume: bool = False) -> dict[str, Any]:
+    """Run the rows of `names` at `world_sizes` (with `resume`, their resume rows too) through verify_parity;
+    the summary has "rows"."""
     from moebench.distributed.launch import under_torchrun
     from moebench.parity.runner import ParityConfig, verify_parity
 
     if under_torchrun():  # the job's world is the only one there is
         world_sizes = (int(os.environ["WORLD_SIZE"]),)
-    with registered(row_checks(names, world_sizes)) as checks:
+    with registered(row_checks(names, world_sizes, resume=resume)) as checks:
         config = ParityConfig(**{**config_fields, "world_size": max(world_sizes),
                                  "checks": tuple(c.name for c in checks)})
         return verify_parity(config, results_dir=results_dir, on_record=on_record, decorate=with_rows)
