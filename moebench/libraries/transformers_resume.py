@@ -6,8 +6,10 @@ What a row does on every rank, as transformers 5.23 documents it for a model loa
 1. the row's model family (the adapter's tiny config, seeded weights) under the SAVE layout; SAVE_STEPS steps
    of torch Adam on its MoE block (router, experts, shared experts), driven as the adapter drives it;
 2. `model.save_pretrained(dir)` (every rank calls it; transformers gathers the shards, rank 0 writes the
-   safetensors) and `transformers.distributed.save_optimizer_distributed(model, optimizer, dir/optimizer)` (DCP,
-   keyed by parameter name so it can be read back at another layout) - transformers' own optimizer path under EP;
+   safetensors; or, `distributed_checkpoint` rows, `save_pretrained(dir, distributed_checkpoint=True)`: every
+   rank writes its own shards through torch DCP) and
+   `transformers.distributed.save_optimizer_distributed(model, optimizer, dir/optimizer)` (DCP, keyed by
+   parameter name so it can be read back at another layout) - transformers' own optimizer path under EP;
 3. the uninterrupted run: the same model keeps training CONTINUE_STEPS more steps;
 4. the resumed run: `from_pretrained(dir, distributed_config=<LOAD layout>)` (or no distributed config at all:
    `ep1`, every rank a whole model) and `load_optimizer_distributed` into a new Adam. The loading model's config
@@ -51,26 +53,29 @@ issue measured up to 4.7e-5 after two steps on DeepSpeed). Measured here, seeds 
 relative on near-zero elements, which the atol floor covers: ~30x margin, still 1000x below a 10 % error."""
 
 RESUME_ROWS = (
-    # (family, expert backend, SAVE layout, LOAD layout): a plain top-2 family under the data-parallel
-    # all-to-all, loaded back there and under the all-reduce; a shared-expert family under the TP-style
-    # all-to-all, loaded back there and as a whole model on every rank.
-    ("mixtral", "grouped_mm", "all_to_all", "all_to_all"),
-    ("mixtral", "grouped_mm", "all_to_all", "all_reduce"),
-    ("qwen2_moe", "eager", "all_to_all+tp", "all_to_all+tp"),
-    ("qwen2_moe", "eager", "all_to_all+tp", ONE_PROCESS),
+    # (family, expert backend, SAVE layout, LOAD layout, distributed_checkpoint): a plain top-2 family under the
+    # data-parallel all-to-all, loaded back there and under the all-reduce; a shared-expert family under the
+    # TP-style all-to-all, loaded back there and as a whole model on every rank; the DCP (sharded) checkpoint
+    # from the data-parallel layout into the TP-style one.
+    ("mixtral", "grouped_mm", "all_to_all", "all_to_all", False),
+    ("mixtral", "grouped_mm", "all_to_all", "all_reduce", False),
+    ("qwen2_moe", "eager", "all_to_all+tp", "all_to_all+tp", False),
+    ("qwen2_moe", "eager", "all_to_all+tp", ONE_PROCESS, False),
+    ("mixtral", "grouped_mm", "all_to_all", "all_to_all+tp", True),
 )
 
 
 def resume_rows(world_size: int) -> list[Row]:
     rows = []
-    for model, backend, save, load in RESUME_ROWS:
+    for model, backend, save, load, sharded in RESUME_ROWS:
         params: tuple[tuple[str, Any], ...] = (("ep_size", world_size),)
         if load != save:
             params += (("load_ep_mode", load), ("load_ep_size", 1 if load == ONE_PROCESS else world_size))
-        params += (("save_steps", SAVE_STEPS), ("continue_steps", CONTINUE_STEPS), ("load_optimizer_states", True))
+        params += (("save_steps", SAVE_STEPS), ("continue_steps", CONTINUE_STEPS), ("load_optimizer_states", True),
+                   ("distributed_checkpoint", sharded))
+        variant = "resume" + ("-dcp" if sharded else "") + ("" if load == save else f"-to-{load}")
         rows.append(Row(library="transformers", model=model, backend=backend, ep_mode=save, world_size=world_size,
-                        features=("resume",), params=params,
-                        variant="resume" if load == save else f"resume-to-{load}"))
+                        features=("resume",), params=params, variant=variant))
     return rows
 
 
@@ -216,7 +221,7 @@ def run(ctx, row: Row, opts) -> list:
         block = model.get_submodule(hf.BLOCK)
         opt = torch.optim.Adam(block.parameters(), lr=ADAM_LR)
         _steps(block, opt, row, row.ep_mode, seed, save_steps, r, w)
-        model.save_pretrained(folder / "model")
+        model.save_pretrained(folder / "model", distributed_checkpoint=dict(row.params)["distributed_checkpoint"])
         save_optimizer_distributed(model, opt, str(folder / "optimizer"))
         want = _snapshot(block, opt)
         ref_losses = _steps(block, opt, row, row.ep_mode, seed, later, r, w)

@@ -28,7 +28,8 @@ def test_resume_rows_only_with_resume_and_their_json_fields():
     same, other = rows[0], rows[1]
     assert same.key() == "transformers/mixtral/grouped_mm/all_to_all/w2/resume"
     assert other.key() == "transformers/mixtral/grouped_mm/all_to_all/w2/resume-to-all_reduce"
-    assert dict(same.params) == {"ep_size": 2, "save_steps": 2, "continue_steps": 2, "load_optimizer_states": True}
+    assert dict(same.params) == {"ep_size": 2, "save_steps": 2, "continue_steps": 2, "load_optimizer_states": True,
+                                 "distributed_checkpoint": False}
     assert dict(other.params)["load_ep_mode"] == "all_reduce" and dict(other.params)["load_ep_size"] == 2
     assert dict(rows[3].params)["load_ep_mode"] == ONE_PROCESS and dict(rows[3].params)["load_ep_size"] == 1
 
@@ -57,26 +58,55 @@ def _is_file_slice(source) -> bool:
     return not isinstance(source, torch.Tensor)
 
 
+def _runner(world_size: int, seed: int = 0) -> dict:
+    """The resume rows through the library runner (one launch each, as `verify-parity --library transformers
+    --resume` runs them): the summary, with its JSON "rows"."""
+    from moebench.libraries import runner
+    from moebench.parity.runner import ParityConfig, run_checks
+
+    checks = [c for c in runner.row_checks(["transformers"], (world_size,), resume=True) if "/resume" in c.name]
+    with runner.registered(checks):
+        summary = run_checks(ParityConfig(world_size=world_size, checks=tuple(c.name for c in checks), seed=seed,
+                                          timeout_s=120.0))
+    return runner.with_rows(summary)
+
+
 @pytest.mark.multirank
 def test_every_resume_row_passes_at_world_2_bit_for_bit_at_the_same_layout():
-    results = _rows(2)
-    for result in results:
-        assert result.skipped is None and result.passed, result.describe()
-        assert not [c for c in result.comparisons if c.vacuous], result.describe()
-        names = {c.name for c in result.comparisons}
-        for e in range(NUM_EXPERTS):  # every global expert, every quantity, under transformers' names
-            for q in restore.QUANTITIES:
-                if q != restore.FP32_MASTER:
-                    assert f"restored experts.gate_up_proj[expert {e}] {q}" in names or q == restore.STEP
+    summary = _runner(2)
+    rows = summary["rows"]
+    assert [r["check"].rsplit("/", 1)[1] for r in rows] == ["resume", "resume-to-all_reduce", "resume",
+                                                             "resume-to-ep1", "resume-dcp-to-all_to_all+tp"]
+    assert rows[-1]["distributed_checkpoint"] is True
+    for row, record in zip(rows, summary["checks"]):
+        assert row["verdict"] == "pass" and row["diagnosis"] is None, record["reason"]
+        assert row["features"] == ["resume"] and row["ep_size"] == 2 and row["version"] == ADAPTER.version()
+        assert record["vacuous"] == 0
+        names = {c["name"] for c in record["comparisons"]}
+        for e in range(NUM_EXPERTS):  # every global expert, every quantity, under transformers' own names
+            for q in (restore.WEIGHTS, restore.EXP_AVG, restore.EXP_AVG_SQ):
+                assert f"restored experts.gate_up_proj[expert {e}] {q}" in names
         assert "restored gate.weight exp_avg_sq" in names and "restored experts.down_proj step" in names
         assert {"loss at step 3 (resumed vs uninterrupted)", "loss at step 4 (resumed vs uninterrupted)"} <= names
-    for result in results[::2]:  # same layout: every continued comparison exact
-        continued = [c for c in result.comparisons if c.max_abs_diff is not None]
-        assert continued and all(c.max_abs_diff == 0.0 and c.rtol == 0.0 for c in continued)
+        continued = [c for c in record["comparisons"] if c["max_abs_diff"] is not None]
+        if "load_ep_mode" not in row:  # same layout: every continued comparison exact
+            assert continued and all(c["max_abs_diff"] == 0.0 and c["rtol"] == 0.0 for c in continued)
+        else:
+            assert row["load_ep_size"] == (1 if row["load_ep_mode"] == ONE_PROCESS else 2)
+            assert continued and all(c["rtol"] > 0 for c in continued)
 
 
 @pytest.mark.multirank
-def test_one_ranks_experts_loaded_under_every_ranks_name(monkeypatch):
+def test_every_resume_row_passes_at_world_4():
+    from libraries.hf_launch import run_rows
+
+    for result in run_rows(resume_rows(4), 4):
+        assert result.skipped is None and result.passed, result.describe()
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_one_ranks_experts_loaded_under_every_ranks_name(monkeypatch, world_size):
     """Every rank reads rank 0's slice of the stacked experts (the EP offset of the load lost): rank 1's slots hold
     experts 0-3. Real instances of the class: KempnerForge#202 (an EP checkpoint gave every rank the same
     experts), deepspeedai/DeepSpeed#6589 ("both GPUs load the first 30 experts")."""
@@ -91,15 +121,18 @@ def test_one_ranks_experts_loaded_under_every_ranks_name(monkeypatch):
         return original(self, source, tensor_idx=tensor_idx, device=device, dtype=dtype)
 
     monkeypatch.setattr(DtensorShardOperation, "shard_tensor", rank0_slice)
-    (result,) = _rows(2, which=[0])
+    (result,) = _rows(world_size, which=[0])
     assert not result.passed
     d = _restore_diagnosis(result)
-    assert d["name"] == restore.PERMUTATION and d["details"]["experts"] == [4, 5, 6, 7], d
-    assert "rank 1, local slot 0 holds global expert 0's weights; it should hold expert 4" in d["sentence"]
+    per_rank = NUM_EXPERTS // world_size
+    assert d["name"] == restore.PERMUTATION and d["details"]["experts"] == list(range(per_rank, NUM_EXPERTS)), d
+    last = world_size - 1
+    assert (f"rank {last}, local slot 1 holds global expert 1's weights; it should hold expert {last * per_rank + 1}"
+            in d["sentence"])
     assert not d["details"]["weights_right"]
-    # the optimizer state (DCP, keyed by name) came back right: only the weights of rank 1's slots are wrong
+    # the optimizer state (DCP, keyed by name) came back right: only the weights of the other ranks' slots are wrong
     wrong = {(f["rank"], f["quantity"]) for f in d["details"]["findings"]}
-    assert wrong == {(1, restore.WEIGHTS)}
+    assert wrong == {(r, restore.WEIGHTS) for r in range(1, world_size)}
 
 
 @pytest.mark.multirank
