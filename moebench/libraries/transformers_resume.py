@@ -9,7 +9,11 @@ What a row does on every rank, as transformers 5.23 documents it for a model loa
    safetensors; or, `distributed_checkpoint` rows, `save_pretrained(dir, distributed_checkpoint=True)`: every
    rank writes its own shards through torch DCP) and
    `transformers.distributed.save_optimizer_distributed(model, optimizer, dir/optimizer)` (DCP, keyed by
-   parameter name so it can be read back at another layout) - transformers' own optimizer path under EP;
+   parameter name so it can be read back at another layout) - transformers' own optimizer path under EP; or,
+   `trainer` rows, the optimizer through transformers' Trainer checkpoint code (`Trainer._save_optimizer_and_
+   scheduler` / `_load_optimizer_and_scheduler`, what `Trainer.train(resume_from_checkpoint=...)` runs), called
+   with the attributes it reads: accelerate refuses to build a Trainer for a TP-style model on CPU ranks
+   ("ParallelismConfig is only compatible DistributedType.FSDP ... but got DistributedType.MULTI_CPU");
 3. the uninterrupted run: the same model keeps training CONTINUE_STEPS more steps;
 4. the resumed run: `from_pretrained(dir, distributed_config=<LOAD layout>)` (or no distributed config at all:
    `ep1`, every rank a whole model) and `load_optimizer_distributed` into a new Adam. The loading model's config
@@ -63,6 +67,11 @@ RESUME_ROWS = (
     ("qwen2_moe", "eager", "all_to_all+tp", ONE_PROCESS, False),
     ("mixtral", "grouped_mm", "all_to_all", "all_to_all+tp", True),
 )
+TRAINER_ROWS = (("mixtral", "grouped_mm", "all_to_all+tp"),)
+"""(family, backend, layout) of the rows whose optimizer goes through the Trainer's checkpoint code, loaded at
+the same layout: a TP-style layout, where the Trainer has no FSDP plugin and saves `optimizer.state_dict()` from
+rank 0 alone (args.should_save) - every rank then loads rank 0's experts' Adam state (a finding on 5.23.0)."""
+OPTIMIZER_PATHS = ("save_optimizer_distributed", "Trainer")
 
 
 def resume_rows(world_size: int) -> list[Row]:
@@ -75,7 +84,14 @@ def resume_rows(world_size: int) -> list[Row]:
                    ("distributed_checkpoint", sharded))
         variant = "resume" + ("-dcp" if sharded else "") + ("" if load == save else f"-to-{load}")
         rows.append(Row(library="transformers", model=model, backend=backend, ep_mode=save, world_size=world_size,
-                        features=("resume",), params=params, variant=variant))
+                        features=("resume",), params=params + (("optimizer_checkpoint", OPTIMIZER_PATHS[0]),),
+                        variant=variant))
+    for model, backend, layout in TRAINER_ROWS:
+        params = (("ep_size", world_size), ("save_steps", SAVE_STEPS), ("continue_steps", CONTINUE_STEPS),
+                  ("load_optimizer_states", True), ("distributed_checkpoint", False),
+                  ("optimizer_checkpoint", OPTIMIZER_PATHS[1]))
+        rows.append(Row(library="transformers", model=model, backend=backend, ep_mode=layout, world_size=world_size,
+                        features=("resume",), params=params, variant="resume-trainer"))
     return rows
 
 
@@ -200,10 +216,47 @@ def _findings(got: dict, fresh: dict, want: dict, rank: int) -> list:
     return out
 
 
+def _trainer_stand_in(folder, opt):
+    """What Trainer._save_optimizer_and_scheduler / _load_optimizer_and_scheduler read of the Trainer: its
+    arguments, optimizer and scheduler, and that neither DeepSpeed nor an FSDP plugin is on."""
+    import types
+
+    import torch
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(folder), report_to=[], use_cpu=True)
+    return types.SimpleNamespace(args=args, optimizer=opt, lr_scheduler=torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda step: 1.0), is_deepspeed_enabled=False, is_fsdp_enabled=False, is_fsdp_xla_v1_enabled=False)
+
+
+def _save_optimizer(model, opt, folder, how: str) -> None:
+    import torch.distributed as dist
+    from transformers.distributed import save_optimizer_distributed
+
+    if how == OPTIMIZER_PATHS[0]:
+        save_optimizer_distributed(model, opt, str(folder))
+        return
+    from transformers import Trainer
+
+    folder.mkdir(exist_ok=True)
+    Trainer._save_optimizer_and_scheduler(_trainer_stand_in(folder, opt), str(folder))
+    dist.barrier()  # the Trainer writes on rank 0 alone; the others read it when they resume
+
+
+def _load_optimizer(model, opt, folder, how: str) -> None:
+    from transformers.distributed import load_optimizer_distributed
+
+    if how == OPTIMIZER_PATHS[0]:
+        load_optimizer_distributed(model, opt, str(folder))
+        return
+    from transformers import Trainer
+
+    Trainer._load_optimizer_and_scheduler(_trainer_stand_in(folder, opt), str(folder))
+
+
 def run(ctx, row: Row, opts) -> list:
     """Every rank: train, save, continue (uninterrupted) | load at the row's load layout, identify, continue."""
     import torch
-    from transformers.distributed import load_optimizer_distributed, save_optimizer_distributed
 
     from moebench.libraries import transformers as hf
     from moebench.libraries.resume import restore_comparisons, shared_dir
@@ -222,7 +275,8 @@ def run(ctx, row: Row, opts) -> list:
         opt = torch.optim.Adam(block.parameters(), lr=ADAM_LR)
         _steps(block, opt, row, row.ep_mode, seed, save_steps, r, w)
         model.save_pretrained(folder / "model", distributed_checkpoint=dict(row.params)["distributed_checkpoint"])
-        save_optimizer_distributed(model, opt, str(folder / "optimizer"))
+        how = dict(row.params)["optimizer_checkpoint"]
+        _save_optimizer(model, opt, folder / "optimizer", how)
         want = _snapshot(block, opt)
         ref_losses = _steps(block, opt, row, row.ep_mode, seed, later, r, w)
         ref_final = {name: hf._full(p.detach()).clone() for name, p in block.named_parameters()}
@@ -235,7 +289,7 @@ def run(ctx, row: Row, opts) -> list:
         loaded = _layout_model(model_cls, fresh_config, row, layout, str(folder / "model"))
         block = loaded.get_submodule(hf.BLOCK)
         opt = torch.optim.Adam(block.parameters(), lr=ADAM_LR)
-        load_optimizer_distributed(loaded, opt, str(folder / "optimizer"))
+        _load_optimizer(loaded, opt, folder / "optimizer", how)
         out += restore_comparisons(_findings(_local_state(block, opt), fresh_state, want, r), r)
         losses = _steps(block, opt, row, layout, seed, later, r, w)
     for step, got, expected in zip(later, losses, ref_losses):
