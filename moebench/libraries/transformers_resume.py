@@ -99,16 +99,23 @@ def load_layout(row: Row) -> str:
     return dict(row.params).get("load_ep_mode", row.ep_mode)
 
 
+QUIET_LOGGERS = ("torch.distributed.tensor._redistribute", "torch.distributed.device_mesh")
+"""DTensor's "sequential all_gather operations" notes (gathering the FSDP x EP experts) and DeviceMesh's "pickling
+... before the PGs were created" (torch.load of the Trainer's optimizer file): every rank's, on stderr."""
+
+
 @contextlib.contextmanager
 def _quiet_dtensor():
-    """DTensor's "sequential all_gather operations" notes (gathering the FSDP x EP experts) stay off the console."""
-    logger = logging.getLogger("torch.distributed.tensor._redistribute")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    """QUIET_LOGGERS stay off the console for the row."""
+    loggers = [logging.getLogger(name) for name in QUIET_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def _expert_offset(p) -> int:
