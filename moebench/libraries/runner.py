@@ -18,11 +18,14 @@ from typing import Any, Callable, Iterator
 from moebench.errors import UserError
 from moebench.libraries import registry
 from moebench.libraries.base import Row
+from moebench.parity import restore
 from moebench.parity.registry import REGISTRY, Check, CheckOptions, load_all, register
 
 DEFAULT_WORLD_SIZES = (2, 4)
 """`--library` without --world-size runs every row at these world sizes: the smallest expert-parallel
 world, and one where each rank exchanges with more than one peer."""
+RESTORE_NAMES = (restore.NOT_RESTORED, restore.PERMUTATION, restore.SPLIT_RESTORE, restore.UNEXPLAINED)
+"""Diagnoses of a resume row's restored state (moebench.parity.restore)."""
 ROW_ORDER = 10_000
 """Row checks come after every built-in check in the registry's order."""
 
@@ -102,7 +105,8 @@ def rows_of(summary: dict[str, Any]) -> list[dict[str, Any]]:
         why = d["sentence"] if d else c.get("reason", "") if c["status"] != "pass" else ""
         first = (d or {}).get("details", {}).get("first") or {}
         if first.get("sentence"):  # what the first wrong tensor looks like: the maintainer's lead
-            why = f"{why}; it {first['sentence']}"
+            # (a restore diagnosis names its slots itself: "rank 1, local slot 0 holds ...")
+            why = f"{why}; {'' if d['name'] in RESTORE_NAMES else 'it '}{first['sentence']}"
         rows.append({**c["labels"], "features": list(c["labels"].get("features", ())), "check": c["name"],
                      "verdict": c["status"], "diagnosis": (f"{d['name']}: {why}" if d else why) or None,
                      "diagnosis_name": d["name"] if d else None, "elapsed_s": c["elapsed_s"]})
