@@ -305,8 +305,9 @@ def verify_parity(
         "failing row into DIR, for an upstream bug report (docs/libraries.md).",
     ),
     resume: bool = typer.Option(
-        False, "--resume", help="With --library: add the save -> load -> continue rows (deepspeed). A load the "
-        "library refuses is verdict 'refused' (its message), which does not fail the run.",
+        False, "--resume", help="With --library: add the resume rows (save, load into a fresh model at the same "
+        "and another layout, continue; vs the uninterrupted run). A load the library refuses is verdict "
+        "'refused' (its message), which does not fail the run.",
     ),
 ) -> None:
     """Run the parity checks: exit 0 when all ran passed, 1 when any failed or none ran, 2 on bad input."""
@@ -321,7 +322,7 @@ def verify_parity(
     if repro is not None and library is None:
         raise UserError("writes scripts for failing library rows; add --library NAME", flag="--repro")
     if resume and library is None:
-        raise UserError("adds resume rows to a library's matrix; give --library too, e.g. --library deepspeed",
+        raise UserError("adds resume rows to a library's matrix; give --library NAME too, e.g. --library deepspeed",
                         flag="--resume")
     import contextlib
     import functools

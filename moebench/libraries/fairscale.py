@@ -125,15 +125,24 @@ class Fairscale(InstalledLibrary):
     catches = ("a fairscale MOELayer whose all-to-all, gate or gradient sync leaves outputs or "
                "gate/expert gradients different from one process")
 
-    def rows(self, world_size: int) -> list[Row]:
-        return [Row(library=self.name, model="top2gate", backend="-", ep_mode=_ep_mode(n),
+    def rows(self, world_size: int, *, resume: bool = False) -> list[Row]:
+        rows = [Row(library=self.name, model="top2gate", backend="-", ep_mode=_ep_mode(n),
                     world_size=world_size, features=("loss-curve",)) for n in EXPERTS_PER_RANK]
+        if resume:  # a state_dict round trip (fairscale_resume.py)
+            from moebench.libraries.fairscale_resume import PER_RANK, resume_row
+
+            rows.append(resume_row(world_size, _ep_mode(PER_RANK)))
+        return rows
 
     def run_row(self, ctx, row: Row, opts) -> list:
         try:
             from fairscale.nn.moe import MOELayer, Top2Gate
         except ImportError as exc:
             raise SkipCheck(f"fairscale does not import: {exc}") from None
+        if "resume" in row.features:
+            from moebench.libraries import fairscale_resume
+
+            return fairscale_resume.run(ctx, opts, MOELayer, Top2Gate)
         per_rank = next(n for n in EXPERTS_PER_RANK if _ep_mode(n) == row.ep_mode)
         return run(ctx, opts, per_rank, MOELayer, Top2Gate)
 

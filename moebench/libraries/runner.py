@@ -18,11 +18,14 @@ from typing import Any, Callable, Iterator
 from moebench.errors import UserError
 from moebench.libraries import registry
 from moebench.libraries.base import Row
+from moebench.parity import restore
 from moebench.parity.registry import REGISTRY, Check, CheckOptions, load_all, register
 
 DEFAULT_WORLD_SIZES = (2, 4)
 """`--library` without --world-size runs every row at these world sizes: the smallest expert-parallel
 world, and one where each rank exchanges with more than one peer."""
+RESTORE_NAMES = (restore.NOT_RESTORED, restore.PERMUTATION, restore.SPLIT_RESTORE, restore.UNEXPLAINED)
+"""Diagnoses of a resume row's restored state (moebench.parity.restore)."""
 ROW_ORDER = 10_000
 """Row checks come after every built-in check in the registry's order."""
 
@@ -45,6 +48,14 @@ def _rows(adapter, world_size: int, resume: bool, user_config: dict[str, Any] | 
     return adapter.rows(world_size, resume=True, **kwargs)
 
 
+def _description(row: Row) -> str:
+    if "resume" in row.features:
+        return (f"{row.library} {row.model} ({row.backend}, {row.ep_mode}) over {row.world_size} ranks: save, load "
+                "into a fresh model, continue; vs the uninterrupted run")
+    return (f"{row.library} {row.model} ({row.backend}, {row.ep_mode}) over {row.world_size} ranks vs one process "
+            "with the same weights")
+
+
 def row_checks(names: list[str], world_sizes: tuple[int, ...], *, resume: bool = False,
                user_configs: dict[str, dict[str, Any]] | None = None) -> list[Check]:
     """One check per row of the named libraries at each world size, in that order (not registered:
@@ -62,8 +73,7 @@ def row_checks(names: list[str], world_sizes: tuple[int, ...], *, resume: bool =
                           **dict(row.params)}
                 check = Check(
                     name=row.key(), order=ROW_ORDER + len(checks), seed_source=f"{row.library} {version}",
-                    description=f"{row.library} {row.model} ({row.backend}, {row.ep_mode}) over {row.world_size} "
-                    "ranks vs one process with the same weights",
+                    description=_description(row),
                     catches=getattr(adapter, "catches", "an expert-parallel path whose outputs or gradients "
                                                         "differ from one process"),
                     rank_fn=functools.partial(_row_rank, adapter.name, row), world_size=row.world_size,
@@ -103,7 +113,8 @@ def rows_of(summary: dict[str, Any]) -> list[dict[str, Any]]:
         why = d["sentence"] if d else c.get("reason", "") if c["status"] != "pass" else ""
         first = (d or {}).get("details", {}).get("first") or {}
         if first.get("sentence") and first["sentence"] not in why:  # the first wrong tensor: the maintainer's lead
-            why = f"{why}; it {first['sentence']}"
+            # (a restore diagnosis names its slots itself: "rank 1, local slot 0 holds ...")
+            why = f"{why}; {'' if d['name'] in RESTORE_NAMES else 'it '}{first['sentence']}"
         rows.append({**c["labels"], "features": list(c["labels"].get("features", ())), "check": c["name"],
                      "verdict": c["status"], "diagnosis": (f"{d['name']}: {why}" if d else why) or None,
                      "diagnosis_name": d["name"] if d else None, "elapsed_s": c["elapsed_s"]})

@@ -10,6 +10,17 @@ WIDTH = 80
 COLUMNS = (("library", "library"), ("version", "version"), ("model", "model"), ("backend", "backend"),
            ("EP mode", "ep_mode"), ("world", "world_size"), ("verdict", "verdict"), ("time", "time"))
 DIAGNOSIS_INDENT = "    "
+LOAD_FIELDS = (("load_ep_mode", "under"), ("load_ep_size", "at ep_size"), ("load_zero_stage", "at ZeRO"))
+"""A resume row's JSON fields that say where it was loaded, and how its line under the row says them."""
+
+
+def _resume_line(r: dict[str, Any]) -> str:
+    """ "resume: loaded at the same layout" / "resume-to-all_reduce: loaded under all_reduce at ep_size 2": the
+    row's variant (the end of its check name) and where it was loaded."""
+    variant = r.get("check", "").rsplit("/", 1)[-1]
+    where = [f"{words} {r[key]}" for key, words in LOAD_FIELDS if key in r]
+    return (f"{DIAGNOSIS_INDENT}{variant if variant.startswith('resume') else 'resume'}: loaded "
+            f"{' '.join(where) if where else 'at the same layout'}")
 
 
 def _fit(rows: list[list[str]], header: list[str], width: int = WIDTH) -> tuple[list[int], str]:
@@ -53,6 +64,8 @@ def conformance(rows: list[dict[str, Any]], width: int = WIDTH) -> str:
     out = [_line(header, widths, gap), _line(["-" * w for w in widths], widths, gap)]
     for r, c in zip(rows, cells):
         out.append(_line(c, widths, gap))
+        if "resume" in r.get("features", ()):
+            out.append(_resume_line(r)[:width])
         if r["verdict"] != "pass" and r.get("diagnosis"):
             first = r["diagnosis"].strip().splitlines()[0]
             out += textwrap.wrap(first, width, initial_indent=DIAGNOSIS_INDENT, subsequent_indent=DIAGNOSIS_INDENT,

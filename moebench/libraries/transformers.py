@@ -123,12 +123,16 @@ class TransformersAdapter:
             return f"transformers' distributed loading needs accelerate, which is not installed: {hint}"
         return None
 
-    def rows(self, world_size: int) -> list[Row]:
+    def rows(self, world_size: int, *, resume: bool = False) -> list[Row]:
         rows = [Row(library=NAME, model=model, backend=backend, ep_mode=mode, world_size=world_size,
                     features=("loss-curve",))
                 for model in MODELS for backend in BACKENDS for mode in EP_MODES]
         rows += [Row(library=NAME, model=MODELS[0], backend=backend, ep_mode=EP_MODES[0], world_size=world_size)
                  for backend in CUDA_BACKENDS]
+        if resume:  # save_pretrained -> from_pretrained at the same and another layout (transformers_resume.py)
+            from moebench.libraries.transformers_resume import resume_rows
+
+            rows += resume_rows(world_size)
         return rows
 
     def run_row(self, ctx, row: Row, opts) -> list:
@@ -138,6 +142,10 @@ class TransformersAdapter:
         if reason is not None:
             raise SkipCheck(reason)
         with _quiet():
+            if "resume" in row.features:
+                from moebench.libraries import transformers_resume
+
+                return transformers_resume.run(ctx, row, opts)
             return _run(ctx, row, opts)
 
     def repro_script(self, row: Row, seed: int) -> str | None:
@@ -205,6 +213,17 @@ def skip_reason(row: Row) -> str | None:
                 "driven without its decoder layer")
     if row.ep_mode.startswith("all_to_all") and _api() == "enable_expert_parallel":
         return f"transformers {_hf_version()} has no all-to-all token dispatch (ep_dispatch_experts, 5.20+)"
+    if "resume" in row.features:
+        from moebench.libraries.transformers_resume import ONE_PROCESS, load_layout
+
+        layout = load_layout(row)
+        if layout != ONE_PROCESS and layout != row.ep_mode:
+            return skip_reason(dataclasses.replace(row, ep_mode=layout, features=()))
+        import transformers.distributed as hf_distributed
+
+        if not hasattr(hf_distributed, "load_optimizer_distributed"):
+            return (f"transformers {_hf_version()} has no optimizer checkpoint for a distributed model "
+                    "(save_optimizer_distributed, 5.23+)")
     return None
 
 

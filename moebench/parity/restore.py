@@ -176,8 +176,10 @@ def as_comparison(finding: Finding, name: str, *, diagnosis: dict[str, Any] | No
     note = "" if passed else (f"holds {finding.holds}'s {finding.quantity}" if finding.state == HOLDS
                               else f"{finding.quantity} is the fresh initialisation" if finding.state == FRESH
                               else f"{finding.quantity} like no expert's")
-    if not passed:  # an "equal" record carries no numbers (the runner prints rank: name: note)
-        note += f" (max |diff| {finding.max_abs_diff:.3g})"
+    if not passed:
+        note += f" (max |diff| {finding.max_abs_diff:.3g} from what it should hold)"
+    # No max_abs_diff field: the record's numbers (max rel diff, magnitude) belong to numeric comparisons; the
+    # runner describes a comparison without them by its note.
     return Comparison(name=name, passed=passed, rank=finding.slot.rank, kind="equal", rtol=0.0, atol=0.0,
                       tolerance_source="exact equality (same layout)", note=note,
                       diagnosis=None if passed else diagnosis)

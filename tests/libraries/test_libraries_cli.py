@@ -138,3 +138,25 @@ def test_library_console_names_a_broken_row_under_it(monkeypatch):
     assert under.startswith("rank-local: output right; input gradient right; experts right; gate/router wrong")
     assert "this rank's own tokens alone would give, scaled by 1/2 (the world size)" in under
     assert "never all-reduced" in under
+
+
+def test_resume_rows_say_where_they_were_loaded_under_the_row():
+    base = {"library": "transformers", "version": "5.23.0", "model": "mixtral", "backend": "grouped_mm",
+            "ep_mode": "all_to_all", "world_size": 2, "elapsed_s": 0.8, "diagnosis": None, "verdict": "pass"}
+    text = conformance([{**base, "features": ["resume"]},
+                        {**base, "features": ["resume"], "load_ep_mode": "all_reduce", "load_ep_size": 2,
+                         "check": "transformers/mixtral/grouped_mm/all_to_all/w2/resume-to-all_reduce"},
+                        {**base, "features": ["loss-curve"]}])
+    _fits(text)
+    lines = text.splitlines()
+    assert lines[3] == "    resume: loaded at the same layout"
+    assert lines[5] == "    resume-to-all_reduce: loaded under all_reduce at ep_size 2"
+    assert len(lines) == 7  # the plain row has no line under it
+
+
+def test_resume_without_library_is_one_line_exit_2():
+    result = _invoke("--resume")
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
+    assert result.output.strip() == ("error: --resume: adds resume rows to a library's matrix; give --library NAME "
+                                     "too")
+    assert _parity_runs() == []

@@ -193,11 +193,11 @@ FAULT_CASES = [
      "  The reduced gradients of the expert group(s) differ (scaled by 2)."),
     (None, dict(zero_stage=2, ep_size=1, world_size=2, grad_accum=2, clip=0.05, top_k=2), 0, "OK: "),
     (None, dict(zero_stage=1, ep_size=2, world_size=2, drop_tokens=True, use_residual=True), 0, "OK: "),
-    # ds-matrix's faults (tests/faults/ds_faults.py): one line each, e.g.
-    # ("ds_faults:expert-grad-wrong-group", dict(zero_stage=1, ep_size=1, world_size=2), 1, "BUG: "),
-    # ("ds_faults:local-global-norm", dict(zero_stage=1, ep_size=2, world_size=2, clip=0.05), 1, "BUG: "),
-    # ("ds_faults:accum-boundary-skip", dict(zero_stage=1, ep_size=2, world_size=2, grad_accum=2), 1, "BUG: "),
-    # ("ds_faults:copy-back-wrong-param", dict(zero_stage=2, ep_size=2, world_size=2), 1, "BUG: "),
+    # ds-matrix's faults (tests/faults/ds_faults.py)
+    ("ds_faults:expert-grad-wrong-group", dict(zero_stage=1, ep_size=2, world_size=2), 1, "BUG: "),
+    ("ds_faults:local-global-norm", dict(zero_stage=1, ep_size=2, world_size=2, clip=0.05), 1, "BUG: "),
+    ("ds_faults:accum-boundary-skip", dict(zero_stage=0, ep_size=2, world_size=2, grad_accum=2), 1, "BUG: "),
+    ("ds_faults:copy-back-wrong-param", dict(zero_stage=2, ep_size=2, world_size=2), 1, "BUG: "),
     # A finding on DeepSpeed 0.19.8 (deepspeedai/DeepSpeed#8475, open): ZeRO 0 clips by the MEAN of the ranks'
     # norms, each over its own experts, not by the norm of every parameter counted once.
     (None, dict(zero_stage=0, ep_size=2, world_size=2, clip=0.05), 1,

@@ -85,3 +85,18 @@ def test_as_comparison_fails_with_the_rows_diagnosis():
     d = diagnose_restore(findings)
     c = restore.as_comparison(findings[0], "expert 0 exp_avg_sq after the load", diagnosis=d)
     assert not c.passed and c.diagnosis["name"] == restore.PERMUTATION and "holds 1's exp_avg_sq" in c.note
+
+
+def test_a_wrong_slot_as_a_comparison_is_described_by_the_runner():
+    """A failed restore comparison has no magnitude / relative difference: the runner's failure line must
+    still describe it (by its note), not crash formatting the missing numbers."""
+    from moebench.parity.runner import _describe_failure
+
+    want = _state(0)
+    finding = identify(_slots()[2], restore.WEIGHTS, want[0], want)
+    d = diagnose_restore([finding])
+    c = restore.as_comparison(finding, "restored experts.w[expert 2] weights", diagnosis=d)
+    assert not c.passed and c.diagnosis["name"] == restore.PERMUTATION
+    line = _describe_failure(c)
+    assert line.startswith("rank 1: restored experts.w[expert 2] weights: holds 0's weights (max |diff| ")
+    assert "diagnosis: permutation: rank 1, local slot 0 holds global expert 0's weights" in line
