@@ -120,7 +120,7 @@ def test_resume_without_library_is_one_line_and_exit_2(tmp_path):
                           text=True, env=env, timeout=120, check=False)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip().splitlines() == [
-        "error: --resume: adds resume rows to a library's matrix; give --library too, e.g. --library deepspeed"]
+        "error: --resume: adds resume rows to a library's matrix; give --library NAME too, e.g. --library deepspeed"]
     assert not (tmp_path / "results").exists()
 
 

@@ -158,5 +158,5 @@ def test_resume_without_library_is_one_line_exit_2():
     result = _invoke("--resume")
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
     assert result.output.strip() == ("error: --resume: adds resume rows to a library's matrix; give --library NAME "
-                                     "too")
+                                     "too, e.g. --library deepspeed")
     assert _parity_runs() == []
