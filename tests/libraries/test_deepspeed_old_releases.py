@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -75,23 +76,51 @@ def test_releases_before_the_boundary_say_why_they_cannot_run(release, tmp_path)
            "intel_extension_for_pytorch" in block, block
 
 
+def _failures(rows: list[dict], version: str) -> dict[str, str]:
+    """The failing rows of a `--library deepspeed` run: key (without "deepspeed/") -> the diagnosis name, or
+    "raised: <the exception's first words>" for a row whose engine raised inside DeepSpeed."""
+    assert rows and all(r["version"] == version for r in rows), rows
+    out = {}
+    for r in rows:
+        if r["verdict"] == "pass":
+            continue
+        key = r["check"].removeprefix("deepspeed/")
+        if r["diagnosis_name"]:
+            out[key] = r["diagnosis_name"]
+        else:
+            raised = re.findall(r"\n(\w+Error: [^\n]*)", r["diagnosis"] or "")
+            out[key] = "raised: " + (raised[-1][:40] if raised else "?")
+    return out
+
+
+def _run(folder: Path, tmp_path: Path) -> list[dict]:
+    return _rows(_cli(folder, "--library", "deepspeed", "-n", "2", "--json", results=tmp_path))
+
+
+CLIP_NORM_FINDING = {"engine/zero0/ep=2/w2/clip": "global-norm"}
+"""Every release tried: ZeRO 0 clips by the mean of the ranks' own-expert norms (deepspeedai/DeepSpeed#8475)."""
+BF16_ZERO0_FINDING = {f"engine/zero0/ep={e}/w2/bf16": "raised: TypeError: new(): data must be a sequenc"
+                      for e in (2, 1)}
+"""0.14.4 - 0.16.9: bf16 at ZeRO 0 raises in BF16_Optimizer's norm over MoE layers (a float handed to new())."""
+
+
 def test_oldest_running_release_finds_expert_updates_scaled_by_the_world_size_at_zero_1(release, tmp_path):
     """DeepSpeed 0.14.4 - 0.15.0: with ZeRO 1/2 the expert gradients are averaged over the expert-data-
     parallel group (size W / ep_size) instead of the data-parallel group (size W): at ep_size = W each
-    expert update is W times too large (deepspeedai/DeepSpeed#6545, fixed by #6546)."""
-    rows = _rows(_cli(release(OLDEST_RUNNING), "--library", "deepspeed", "--json", results=tmp_path))
-    assert {(r["model"], r["world_size"]) for r in rows} == {(m, w) for m in ("moe.layer.MoE", "engine")
-                                                             for w in (2, 4)}
-    for row in rows:
-        assert row["version"] == OLDEST_RUNNING
-        if row["model"] == "moe.layer.MoE":  # the layer alone (no engine) is right
-            assert row["verdict"] == "pass", row
-            continue
-        w = row["world_size"]
-        assert row["verdict"] == "fail" and row["diagnosis_name"] == "uniform-scale", row
-        assert "first failure: rank 0: ZeRO 1, step 1: expert" in row["diagnosis"], row["diagnosis"]
-        assert f"actual = {w} x expected everywhere" in row["diagnosis"], row["diagnosis"]
-    # the checks themselves say the same
+    expert gradient is W times too large (deepspeedai/DeepSpeed#6545, fixed by #6546). Asserted as the tool
+    names it on that release (measured at W = 2)."""
+    rows = _run(release(OLDEST_RUNNING), tmp_path)
+    scaled = {f"engine/zero{z}/ep=2/w2{f}": "reduced-grad-wrong"
+              for z in (1, 2) for f in ("", "/clip", "/top-2", "/drops", "/residual")}
+    expected = {**CLIP_NORM_FINDING, **BF16_ZERO0_FINDING, **scaled,
+                **{f"engine/zero{z}/ep=2/w2/grad-accum": "accum-boundary" for z in (1, 2)},
+                **{f"engine/zero{z}/ep=2/w2/bf16": "bf16-noise" for z in (1, 2)}}
+    assert _failures(rows, OLDEST_RUNNING) == expected
+    for r in rows:
+        if r["check"].removeprefix("deepspeed/") in scaled:
+            assert "actual = 2 x expected everywhere" in r["diagnosis"], r["diagnosis"]
+            assert f"first divergence at ZeRO {r['zero_stage']}, step 1, experts" in r["diagnosis"], r["diagnosis"]
+    # the old check says the same
     checks = json.loads(_cli(release(OLDEST_RUNNING), "-n", "2", "--checks", "deepspeed-moe-ep,deepspeed-engine-ep",
                              "--json", results=tmp_path).stdout)["checks"]
     assert {c["name"]: c["status"] for c in checks} == {"deepspeed-moe-ep": "pass", "deepspeed-engine-ep": "fail"}
@@ -102,10 +131,10 @@ FIXED_RELEASE = "0.16.9"
 """The last 0.16 release: DeepSpeed's fix for the expert-gradient scaling (#6546) is in since 0.15.4."""
 
 
-def test_a_release_with_the_fix_passes_every_row_and_records_its_version(release, tmp_path):
-    rows = _rows(_cli(release(FIXED_RELEASE), "--library", "deepspeed", "--json", results=tmp_path))
-    assert len(rows) == 4 and {r["world_size"] for r in rows} == {2, 4}
-    assert all(r["version"] == FIXED_RELEASE and r["verdict"] == "pass" for r in rows), rows
+def test_a_release_with_the_fix_passes_every_other_row_and_records_its_version(release, tmp_path):
+    rows = _run(release(FIXED_RELEASE), tmp_path)
+    assert len(rows) == 34
+    assert _failures(rows, FIXED_RELEASE) == {**CLIP_NORM_FINDING, **BF16_ZERO0_FINDING}
 
 
 ZERO_FLATTEN_RELEASE = "0.18.9"
@@ -114,12 +143,10 @@ ZERO_FLATTEN_RELEASE = "0.18.9"
 step's all-gather into its views raises (fixed by #7948, in 0.19.0)."""
 
 
-def test_a_release_whose_zero_step_raises_on_cpu_is_a_failing_engine_row(release, tmp_path):
-    rows = _rows(_cli(release(ZERO_FLATTEN_RELEASE), "--library", "deepspeed", "-n", "2", "--json",
-                      results=tmp_path))
-    by_model = {r["model"]: r for r in rows}
-    assert set(by_model) == {"moe.layer.MoE", "engine"} and all(r["version"] == ZERO_FLATTEN_RELEASE for r in rows)
-    assert by_model["moe.layer.MoE"]["verdict"] == "pass"
-    engine = by_model["engine"]
-    assert engine["verdict"] == "fail" and engine["diagnosis_name"] is None, engine
-    assert "Output 0 of Split is a view and is being modified inplace" in engine["diagnosis"], engine["diagnosis"]
+def test_a_release_whose_zero_step_raises_on_cpu_fails_every_zero_1_and_2_row(release, tmp_path):
+    rows = _run(release(ZERO_FLATTEN_RELEASE), tmp_path)
+    raised = "raised: RuntimeError: Output 0 of Split is a vie"
+    zero12 = {r["check"].removeprefix("deepspeed/"): raised for r in rows
+              if r["model"] == "engine" and r["zero_stage"] in (1, 2)}
+    assert len(zero12) == 22
+    assert _failures(rows, ZERO_FLATTEN_RELEASE) == {**CLIP_NORM_FINDING, **zero12}
