@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moebench.libraries.base import Row
+from moebench.models.deepspeed_moe import TinyMoENet
 
 D_MODEL = 8
 D_HIDDEN = 16
@@ -158,25 +159,6 @@ def row_of(settings: EngineSettings, world_size: int, *, variant: str | None = N
 
 
 # ------------------------------------------------------------------ the model
-
-
-class _Net(nn.Module):
-    """Linear -> tanh -> DeepSpeed MoE (moebench's adapter: experts seeded by global index) -> Linear."""
-
-    def __init__(self, moe, experts: int, seed: int, ep_rank: int) -> None:
-        super().__init__()
-        from moebench.models.deepspeed_moe import DeepSpeedMoEMLP
-
-        torch.manual_seed(seed)
-        self.inp = nn.Linear(D_MODEL, D_MODEL)
-        self.moe = DeepSpeedMoEMLP(moe, d_model=D_MODEL, experts=experts, seed=seed, ep_rank=ep_rank,
-                                   top2_2nd_expert_sampling=False)
-        torch.manual_seed(seed + 1)
-        self.out = nn.Linear(D_MODEL, D_MODEL)
-
-    def forward(self, x):
-        y, aux = self.moe(torch.tanh(self.inp(x)))
-        return self.out(y), aux
 
 
 EXPERT_PREFIX = "moe.moe.deepspeed_moe.experts.deepspeed_experts."
@@ -342,18 +324,18 @@ def run(ctx, row: Row, opts) -> list:
         if s.precision == "bf16":
             _bf16_supported_or_skip(s)
         create_expert_groups(1)
-        ref = _Net(_moe_config(s, experts, 1), experts, opts.seed, 0)
+        ref = TinyMoENet(_moe_config(s, experts, 1), experts, opts.seed, 0, d_model=D_MODEL)
         ref.moe.moe.set_deepspeed_parallelism()
         half = master = None
         if s.precision == "bf16":  # the noise model's baseline: the same mathematics in bf16 on one process
-            master = _Net(_moe_config(s, experts, 1), experts, opts.seed, 0)
-            half = _Net(_moe_config(s, experts, 1), experts, opts.seed, 0).to(torch.bfloat16)
+            master = TinyMoENet(_moe_config(s, experts, 1), experts, opts.seed, 0, d_model=D_MODEL)
+            half = TinyMoENet(_moe_config(s, experts, 1), experts, opts.seed, 0, d_model=D_MODEL).to(torch.bfloat16)
             master.moe.moe.set_deepspeed_parallelism()
             half.moe.moe.set_deepspeed_parallelism()
         create_expert_groups(s.ep_size)
         ep_rank = ds_groups._get_expert_parallel_rank(f"ep_size_{s.ep_size}")
         local = experts // s.ep_size
-        model = _Net(_moe_config(s, experts, s.ep_size), experts, opts.seed, ep_rank)
+        model = TinyMoENet(_moe_config(s, experts, s.ep_size), experts, opts.seed, ep_rank, d_model=D_MODEL)
         engine = _engine(model, s, w)
         names = dict(engine.module.named_parameters())
         gname = {n: global_name(n, ep_rank, local) for n in names}

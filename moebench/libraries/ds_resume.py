@@ -180,7 +180,7 @@ def _build(ctx, spec: Spec, *, ep: int, stage: int, seed: int, universal: bool =
     import deepspeed
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
-    from moebench.parity.checks_engine import _Net
+    from moebench.models.deepspeed_moe import TinyMoENet
     from moebench.variants.deepspeed.config import DeepSpeedMoEConfig
 
     world = ctx.world_size
@@ -188,7 +188,7 @@ def _build(ctx, spec: Spec, *, ep: int, stage: int, seed: int, universal: bool =
     moe = DeepSpeedMoEConfig(experts=(EXPERTS_PER_RANK * world,), d_hidden=D_HIDDEN, capacity_factor=1.0,
                              eval_capacity_factor=1.0, min_capacity=0, noisy_gate_policy="none", drop_tokens=False,
                              use_rts=False, ep_size=ep, top_k=1, use_residual=False)
-    model = _Net(moe, EXPERTS_PER_RANK * world, seed, _ep_rank(ep))
+    model = TinyMoENet(moe, EXPERTS_PER_RANK * world, seed, _ep_rank(ep), d_model=D_MODEL)
     config = {
         "train_batch_size": MICRO[0] * world, "train_micro_batch_size_per_gpu": MICRO[0],
         "zero_optimization": {"stage": stage, "elastic_checkpoint": spec.elastic},

@@ -175,6 +175,24 @@ class DeepSpeedMoEMLP(nn.Module):
         return "moe-other"
 
 
+class TinyMoENet(nn.Module):
+    """The parity checks' small model: Linear -> tanh -> DeepSpeedMoEMLP (experts seeded by global index,
+    deterministic top-2) -> Linear; forward(x) -> (y, l_aux). The same weights for every ep_size."""
+
+    def __init__(self, moe, experts: int, seed: int, ep_rank: int, d_model: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = nn.Linear(d_model, d_model)
+        self.moe = DeepSpeedMoEMLP(moe, d_model=d_model, experts=experts, seed=seed, ep_rank=ep_rank,
+                                   top2_2nd_expert_sampling=False)
+        torch.manual_seed(seed + 1)
+        self.out = nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        y, aux = self.moe(torch.tanh(self.inp(x)))
+        return self.out(y), aux
+
+
 def moe_layers(model: nn.Module) -> list[DeepSpeedMoEMLP]:
     """Every DeepSpeed MoE MLP of a model, in layer order."""
     return [m for m in model.modules() if isinstance(m, DeepSpeedMoEMLP)]

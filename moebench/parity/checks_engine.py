@@ -27,8 +27,8 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
+from moebench.models.deepspeed_moe import TinyMoENet
 from moebench.parity.compare import SEED_DEEPSPEED, STRICT, Tolerance, compare, pick
 from moebench.parity.registry import Check, CheckOptions, SkipCheck, register
 
@@ -45,23 +45,6 @@ UPDATE_ULPS = 4
 """An update is read as after - before of float32 parameters: each side carries up to half an ulp
 of rounding, and the summation order of the reduction adds its own; 4 ulps of the largest |parameter|
 bound both (a gradient reduced 2 x too large is off by lr x |g| ~ 1e-3, 10^4 x more)."""
-
-
-class _Net(nn.Module):
-    def __init__(self, moe, experts: int, seed: int, ep_rank: int) -> None:
-        super().__init__()
-        from moebench.models.deepspeed_moe import DeepSpeedMoEMLP
-
-        torch.manual_seed(seed)
-        self.inp = nn.Linear(D_MODEL, D_MODEL)
-        self.moe = DeepSpeedMoEMLP(moe, d_model=D_MODEL, experts=experts, seed=seed, ep_rank=ep_rank,
-                                   top2_2nd_expert_sampling=False)
-        torch.manual_seed(seed + 1)
-        self.out = nn.Linear(D_MODEL, D_MODEL)
-
-    def forward(self, x):
-        y, aux = self.moe(torch.tanh(self.inp(x)))
-        return self.out(y), aux
 
 
 def _global_name(name: str, rank: int, n: int) -> str:
@@ -135,7 +118,8 @@ def _rank(ctx, opts: CheckOptions) -> list:
             engines = {}
             for ep in (w, 1):
                 create_expert_groups(ep)
-                model = _Net(dataclasses.replace(moe, ep_size=ep), experts, opts.seed + stage, r if ep == w else 0)
+                model = TinyMoENet(dataclasses.replace(moe, ep_size=ep), experts, opts.seed + stage,
+                                   r if ep == w else 0, d_model=D_MODEL)
                 engines[ep] = _engine(model, stage, w)
             names = {ep: dict(engines[ep].module.named_parameters()) for ep in (w, 1)}
             for step in range(STEPS):

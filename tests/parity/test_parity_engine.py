@@ -25,10 +25,10 @@ class _ExpertGradsSummed:
     """A broken engine path (DeepSpeed #5618's class): at ep_size = W the expert gradients come out
     W x too large, as if summed over the expert-parallel group instead of averaged."""
 
-    def __new__(cls, moe, experts, seed, ep_rank):
-        from moebench.parity import checks_engine
+    def __new__(cls, moe, experts, seed, ep_rank, **kwargs):
+        from moebench.models.deepspeed_moe import TinyMoENet
 
-        net = checks_engine._ORIGINAL_NET(moe, experts, seed, ep_rank)
+        net = TinyMoENet(moe, experts, seed, ep_rank, **kwargs)
         if moe.ep_size > 1:
             for name, p in net.named_parameters():
                 if "deepspeed_experts" in name:
@@ -42,8 +42,7 @@ def test_engine_ep_diagnoses_expert_gradients_summed_over_the_ep_group(monkeypat
     pytest.importorskip("deepspeed")
     from moebench.parity import checks_engine
 
-    monkeypatch.setattr(checks_engine, "_ORIGINAL_NET", checks_engine._Net, raising=False)
-    monkeypatch.setattr(checks_engine, "_Net", _ExpertGradsSummed)
+    monkeypatch.setattr(checks_engine, "TinyMoENet", _ExpertGradsSummed)
     record = run_checks(ParityConfig(world_size=2, checks=("deepspeed-engine-ep",), timeout_s=60.0))["checks"][0]
     assert record["status"] == "fail"
     failed = [c for c in record["comparisons"] if not c["passed"]]
