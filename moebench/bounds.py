@@ -137,7 +137,32 @@ class Number:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Name:
+class Text:
+    """Free text with a format checked later (an --impl KEY=module:attr): bounded, one line."""
+
+    max_chars: int = TEXT_MAX_CHARS
+    pattern: str = r"[^\x00-\x1f\x7f]+"
+    """Characters allowed (no control characters, no newline)."""
+    what: str = "value"
+    hint: str = ""
+    """What `pattern` allows, in words (said in the refusal when given)."""
+    kind = "text"
+
+    def parse(self, text: str) -> str:
+        return text
+
+    def problem(self, value: Any) -> str:
+        if not isinstance(value, str) or not value.strip():
+            return f"must be a {self.what}, got {value!r}"
+        if len(value) > self.max_chars:
+            return f"must be at most {self.max_chars} characters, got {len(value)}"
+        if not re.fullmatch(self.pattern, value):
+            return f"{value[:40]!r} is not a {self.what}" + (f" ({self.hint})" if self.hint else "")
+        return ""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Name(Text):
     """A short name (a preset, a kind, a time stamp): non-empty, bounded length, plain characters."""
 
     max_chars: int = NAME_MAX_CHARS
@@ -151,50 +176,19 @@ class Name:
     listed_by: str = ""
     """The command that lists the choices, named instead of a long list of them."""
     hint: str = "letters, digits, '_', '.', '-'"
-    """What `pattern` allows, in words."""
     kind = "name"
 
-    def parse(self, text: str) -> str:
-        return text
-
     def problem(self, value: Any) -> str:
-        if not isinstance(value, str) or not value.strip():
-            return f"must be a {self.what}, got {value!r}"
-        if len(value) > self.max_chars:
-            return f"must be at most {self.max_chars} characters, got {len(value)}"
-        if not re.fullmatch(self.pattern, value):
-            return f"{value[:40]!r} is not a {self.what} ({self.hint})"
-        if self.choices is not None:
-            known = self.choices()
-            if value not in known:
-                choices = ", ".join(known) or "none"
-                if self.listed_by and len(choices) > 40:
-                    return f"unknown {self.what} {value!r}; `{self.listed_by}` lists them"
-                return f"unknown {self.what} {value!r}; use one of {choices}"
-        return ""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Text:
-    """Free text with a format checked later (an --impl KEY=module:attr): bounded, one line."""
-
-    max_chars: int = TEXT_MAX_CHARS
-    pattern: str = r"[^\x00-\x1f\x7f]+"
-    """Characters allowed (no control characters, no newline)."""
-    what: str = "value"
-    kind = "text"
-
-    def parse(self, text: str) -> str:
-        return text
-
-    def problem(self, value: Any) -> str:
-        if not isinstance(value, str) or not value.strip():
-            return f"must be a {self.what}, got {value!r}"
-        if len(value) > self.max_chars:
-            return f"must be at most {self.max_chars} characters, got {len(value)}"
-        if not re.fullmatch(self.pattern, value):
-            return f"{value[:40]!r} is not a {self.what}"
-        return ""
+        found = super().problem(value)
+        if found or self.choices is None:
+            return found
+        known = self.choices()
+        if value in known:
+            return ""
+        choices = ", ".join(known) or "none"
+        if self.listed_by and len(choices) > 40:
+            return f"unknown {self.what} {value!r}; `{self.listed_by}` lists them"
+        return f"unknown {self.what} {value!r}; use one of {choices}"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -232,16 +232,8 @@ def describe():
             f"{SETTINGS.get('experts_per_rank', 1)} expert(s) per rank, {SETTINGS.get('steps', 3)} SGD steps")
 
 
-def mechanism(kind, rows):
-    k = common_factor(rows)
-    factor = "varying factors" if k is None else f"{k:.4g}"
-    groups = ", ".join(sorted({r[4] for r in rows}))
-    if kind in (0, 1):
-        return "The forward pass differs: the gate, the capacity or the all-to-all exchange."
-    if kind == 2:
-        return (f"The forward agrees, the gradients of the {groups} group(s) do not (scaled by {factor}): "
-                "the backward all-to-all or the gradient synchronisation.")
-    return "The gradients agree, the parameters after the step do not."
+mechanism = layer_mechanism("the gate, the capacity or the all-to-all exchange",
+                            "the backward all-to-all or the gradient synchronisation")
 
 
 if __name__ == "__main__":

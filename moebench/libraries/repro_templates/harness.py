@@ -120,6 +120,22 @@ def common_factor(rows):
     return None
 
 
+def layer_mechanism(forward, backward):
+    """`mechanism(kind, rows)` for a layer compared output, gradients, step (kinds 0-1, 2, 3): `forward` and
+    `backward` name what the first wrong forward / gradient points at."""
+    def mechanism(kind, rows):
+        if kind in (0, 1):
+            return f"The forward pass differs: {forward}."
+        if kind == 2:
+            k = common_factor(rows)
+            factor = "varying factors" if k is None else f"{k:.4g}"
+            groups = ", ".join(sorted({r[4] for r in rows}))
+            return (f"The forward agrees, the gradients of the {groups} group(s) do not (scaled by {factor}): "
+                    f"{backward}.")
+        return "The gradients agree, the parameters after the step do not."
+    return mechanism
+
+
 def report(rows, kinds, where, mechanism):
     """Prints the verdict; the exit status. `where` names the run ("ZeRO 1"), `mechanism(kind, rows)` says
     in one sentence what the first divergence points at."""

@@ -228,16 +228,8 @@ def describe():
             f"{SETTINGS['steps']} SGD steps")
 
 
-def mechanism(kind, rows):
-    k = common_factor(rows)
-    factor = "varying factors" if k is None else f"{k:.4g}"
-    groups = ", ".join(sorted({r[4] for r in rows}))
-    if kind in (0, 1):
-        return "The forward pass differs: the router, the dispatch of tokens to experts or the combine."
-    if kind == 2:
-        return (f"The forward agrees, the gradients of the {groups} group(s) do not (scaled by {factor}): "
-                "the backward exchange or the gradient reduction.")
-    return "The gradients agree, the parameters after the step do not."
+mechanism = layer_mechanism("the router, the dispatch of tokens to experts or the combine",
+                            "the backward exchange or the gradient reduction")
 
 
 if __name__ == "__main__":
