@@ -321,16 +321,19 @@ def _library_blocks(run: collect.Run | None, out: Path) -> list[Block]:
         "size, compared with the same block on one process with identical weights (docs/libraries.md). "
         "It does not judge the chapter's parity claim, which comes from the latest whole-suite run.")]
     checks = {c["name"]: c for c in summary.get("checks") or []}
+    # a features column (as on the console) when some row has features: it tells the DeepSpeed engine rows apart
+    with_features = any(r.get("features") for r in rows)
     cells = []
     for r in rows:
         ratio = figures.check_ratio(checks.get(r.get("check"), {}))
-        cells.append((r["library"], r["version"], r["model"], r["backend"], r["ep_mode"], str(r["world_size"]),
-                      r["verdict"], "—" if ratio is None else "exact" if ratio == 0 else f"{ratio:.2e}",
-                      r.get("diagnosis") or ""))
+        features = ("+".join(r.get("features") or ()) or "-",) if with_features else ()
+        cells.append((r["library"], r["version"], r["model"], r["backend"], r["ep_mode"], *features,
+                      str(r["world_size"]), r["verdict"],
+                      "—" if ratio is None else "exact" if ratio == 0 else f"{ratio:.2e}", r.get("diagnosis") or ""))
     if cells:
-        blocks.append(Table(headers=("library", "version", "model", "backend", "EP mode", "world", "verdict",
-                                     "largest diff / tolerance", "diagnosis"),
-                            rows=tuple(cells), classes=tuple(r["verdict"] for r in rows)))
+        headers = ("library", "version", "model", "backend", "EP mode", *(("features",) if with_features else ()),
+                   "world", "verdict", "largest diff / tolerance", "diagnosis")
+        blocks.append(Table(headers=headers, rows=tuple(cells), classes=tuple(r["verdict"] for r in rows)))
     png = figures.plot_library(rows, list(checks.values()), out / "library.png",
                                title=f"verify-parity --library {names}: largest difference / tolerance per row")
     if png:

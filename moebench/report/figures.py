@@ -197,18 +197,23 @@ def check_ratio(check: dict) -> float | None:
     return max(ratios) if ratios else None
 
 
+BAR_CAP = 1e3
+"""Where a ratio bar stops (1000 x the tolerance): beyond it only the label's number grows."""
+
+
 def _ratio_bars(rows: list[tuple[str, float, str]], *, size: tuple[float, float], with_status: bool):
     """One horizontal bar per (label, largest |difference| / tolerance, status) on a log axis, pass in
     the measured colour and anything else in the chapter's; returns (fig, ax) for the caller's marker."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=size)
-    values = [max(r, TOLERANCE_FLOOR) if math.isfinite(r) else 1e3 for _, r, _ in rows]
+    # a bar ends at BAR_CAP at most, so its label (the true ratio) stays inside the axis
+    values = [min(max(r, TOLERANCE_FLOOR), BAR_CAP) for _, r, _ in rows]
     colors = [COLORS["measured"] if status == "pass" else COLORS["chapter"] for _, _, status in rows]
     ax.barh(range(len(rows)), values, color=colors, left=TOLERANCE_FLOOR / 10)
-    for y, (_, ratio, status) in enumerate(rows):
-        text = "exact (0)" if ratio == 0 else "not finite" if not math.isfinite(ratio) else f"{ratio:.1e}"
-        ax.text(max(ratio, TOLERANCE_FLOOR) if math.isfinite(ratio) else 1e3, y,
-                f" {text} {status}" if with_status else f" {text}", va="center", fontsize=8)
+    for y, ((_, ratio, status), value) in enumerate(zip(rows, values)):
+        # inf: a difference over a zero tolerance (an exact comparison), or NaN / Inf values
+        text = "exact (0)" if ratio == 0 else "inf" if not math.isfinite(ratio) else f"{ratio:.1e}"
+        ax.text(value, y, f" {text} {status}" if with_status else f" {text}", va="center", fontsize=8)
     ax.set_yticks(range(len(rows)), [name for name, _, _ in rows], fontsize=8 if with_status else None)
     ax.set_ylim(len(rows) - 0.5, -0.5)  # first row on top
     ax.set_xscale("log")
@@ -244,7 +249,8 @@ def plot_library(rows: list[dict], checks: list[dict], path: Path, *, title: str
     fig, ax = _ratio_bars(drawn, size=(11, 0.3 * len(drawn) + 1.6), with_status=True)
     line = ax.axvline(1.0, color=COLORS["chapter"], ls="--", lw=1, label="tolerance")
     ax.legend(handles=[line, Patch(color=COLORS["measured"], label="pass"),
-                       Patch(color=COLORS["chapter"], label="fail")], fontsize=8, loc="lower right")
+                       Patch(color=COLORS["chapter"], label="fail")], fontsize=8,
+              loc="lower left", bbox_to_anchor=(1.0, 0.0))  # beside the axis: never over a row's label
     ax.set_xlim(TOLERANCE_FLOOR / 10, 1e6)  # room for a failing row's label
     ax.set_title(title, fontsize=10)
     return save_figure(fig, path)

@@ -85,11 +85,12 @@ def test_the_section_has_the_conformance_table_and_a_figure(root):
     md = (result.path / "REPORT.md").read_text()
     section = md[md.index(HEADING):]
     assert library.name in section
-    assert ("| library | version | model | backend | EP mode | world | verdict | largest diff / tolerance "
+    assert ("| library | version | model | backend | EP mode | features | world | verdict | largest diff / tolerance "
             "| diagnosis |") in section
     for row in summary["rows"]:  # every row, with the values of summary.json
+        assert row["features"] == ["loss-curve"]  # the fairscale rows also compare a 3-step loss curve
         assert (f"| {row['library']} | {row['version']} | {row['model']} | {row['backend']} | {row['ep_mode']} "
-                f"| {row['world_size']} | {row['verdict']} |") in section
+                f"| loss-curve | {row['world_size']} | {row['verdict']} |") in section
     png = result.path / "library.png"
     assert png.read_bytes()[:8] == PNG_MAGIC and "library.png" in section
     assert "library.png" in json.loads((result.path / "summary.json").read_text())["figures"]
@@ -108,6 +109,28 @@ def test_a_failed_row_shows_its_verdict_and_diagnosis(root):
     assert "| fail |" in md[md.index(HEADING):]
     assert "grad gate.wg.weight never all-reduced |" in md
     assert 'class="fail"' in (result.path / "report.html").read_text().split("Library conformance")[1]
+
+
+def test_the_features_column_is_there_only_when_some_row_has_features(root):
+    """DeepSpeed's engine rows share model, backend and EP mode and differ by their features: the report, like
+    the console, shows a features column when some row has features ("-" for a plain row), and none when no
+    row has any."""
+    _, library = _runs(root)
+    data = json.loads((library / "summary.json").read_text())
+    data["rows"][0] = {**data["rows"][0], "features": ["grad-accum", "clip"]}
+    data["rows"][1] = {**data["rows"][1], "features": []}
+    (library / "summary.json").write_text(json.dumps(data))
+    md = (build.build_report([], root=str(root)).path / "REPORT.md").read_text()
+    section = md[md.index(HEADING):]
+    assert "| library | version | model | backend | EP mode | features | world | verdict |" in section
+    first, second = data["rows"][:2]
+    assert f"| {first['ep_mode']} | grad-accum+clip | {first['world_size']} | {first['verdict']} |" in section
+    assert f"| {second['ep_mode']} | - | {second['world_size']} | {second['verdict']} |" in section
+    for row in data["rows"]:
+        row["features"] = []
+    (library / "summary.json").write_text(json.dumps(data))
+    md = (build.build_report([], root=str(root)).path / "REPORT.md").read_text()
+    assert "| library | version | model | backend | EP mode | world | verdict |" in md[md.index(HEADING):]
 
 
 def test_the_console_names_the_library_run_apart_from_parity(root):
@@ -131,3 +154,18 @@ def test_a_refused_row_is_counted_as_refused(root):
     assert "| refused |" in md[md.index(HEADING):]
     out = _cli("report", "--results-dir", str(root))
     assert f"{len(data['rows'])} rows, {len(data['rows']) - 1} pass, 0 fail, 0 skip, 1 refused" in out.stdout
+
+
+def test_a_huge_or_infinite_ratio_keeps_its_bar_and_label_inside_the_axis(tmp_path):
+    """A failing row can be 1e9 x its tolerance (or inf: a difference over an exact comparison's zero
+    tolerance). Its bar stops at BAR_CAP and its label, the true number, starts there, inside the axis."""
+    from moebench.report import figures
+
+    rows = [("ok", 0.02, "pass"), ("far", 3.4e9, "fail"), ("exact-broken", float("inf"), "fail")]
+    fig, ax = figures._ratio_bars(rows, size=(8, 3), with_status=True)
+    ax.set_xlim(figures.TOLERANCE_FLOOR / 10, 1e6)  # as plot_library
+    ends = [bar.get_x() + bar.get_width() for bar in ax.patches]
+    assert ends[0] < 1 and all(end <= figures.BAR_CAP * 1.01 for end in ends[1:])
+    labels = {t.get_text().strip(): t.get_position()[0] for t in ax.texts}
+    assert labels == {"2.0e-02 pass": 0.02, "3.4e+09 fail": figures.BAR_CAP, "inf fail": figures.BAR_CAP}
+    figures.pyplot().close(fig)
