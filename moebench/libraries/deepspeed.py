@@ -40,6 +40,30 @@ _IMPORT_PROBE = ("import os, torch; os.environ.setdefault('DS_ACCELERATOR', 'cud
 """What a run needs from DeepSpeed before its ranks start, as the run sets it up (set_accelerator_env)."""
 
 
+PRELOAD = (
+    "deepspeed", "deepspeed.moe.layer",
+    "torch._dynamo",  # torch's optimizers import it when built (torch.optim.optimizer's _disable_dynamo)
+    "torch._inductor.compile_fx",  # 0.19's Muon module calls torch.compile at import, which imports inductor
+    "deepspeed.runtime.zero.muon.muon_optimizer",  # imported by the engine's optimizer check (0.19)
+    "deepspeed.module_inject.auto_ep_layer",  # AutoEP, imported by deepspeed.initialize (0.19)
+    "deepspeed.checkpoint.ds_to_universal",  # the universal resume rows' converter
+    "deepspeed.ops.op_builder.all_ops",  # init_distributed's op probe (imports setuptools)
+    "deepspeed.comm.mori",  # init_distributed (0.19)
+    "moebench.variants.deepspeed.comm", "moebench.libraries.ds_engine", "moebench.libraries.ds_mechanisms",
+    "moebench.libraries.ds_resume",
+)
+"""Modules a row's ranks would otherwise each import lazily, at every row: ~1,500 modules, 4.1 of a
+4.4 s engine row at W = 4 (measured on 0.19.8). Forked ranks inherit them from the parent."""
+
+
+def _has_module(name: str) -> bool:
+    """Whether `name` can be imported (its parent packages are imported to tell; a release without it: False)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:
+        return False
+
+
 def source_version(package_dir: Path) -> str | None:
     """The version a DeepSpeed source tree says it is, without importing it: the `version='...'` line
     its build writes into git_version_info_installed.py, else its version.txt."""
@@ -78,8 +102,11 @@ class DeepSpeed(InstalledLibrary):
     extra = "deepspeed"
     dist_name = "deepspeed"
     catches = "DeepSpeed expert parallelism (its MoE layer or its engine) that differs from ep_size = 1"
-    preload = ("deepspeed", "deepspeed.moe.layer")
-    """Imported once in the parent before the ranks fork (as the wrapped checks do)."""
+
+    @property
+    def preload(self) -> tuple[str, ...]:
+        """Imported once in the parent before each row's ranks fork: of PRELOAD, what this release has."""
+        return tuple(m for m in PRELOAD if _has_module(m))
 
     def version(self) -> str | None:
         """The version of the DeepSpeed that `import deepspeed` loads: the distribution's metadata when
@@ -136,7 +163,7 @@ class DeepSpeed(InstalledLibrary):
         return load_all()[check].rank_fn(ctx, opts)
 
     def repro_script(self, row: Row, seed: int) -> str | None:
-        """A standalone script reproducing an engine or a resume row (DS_API.md §4); None for the others."""
+        """A standalone script reproducing an engine or a resume row (repro.py); None for the others."""
         if "resume" in row.features:
             from moebench.libraries.ds_resume_repro import repro_script
 

@@ -64,7 +64,7 @@ LAYER_OPTIONS = ("top-2", "drops", "residual")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineSettings:
-    """One engine row's DeepSpeed settings (DS_API.md section 2: these names are the row's params)."""
+    """One engine row's DeepSpeed settings (these names are the row's params and JSON fields)."""
 
     zero_stage: int
     """ZeRO stage: 0, 1 or 2."""
@@ -86,7 +86,7 @@ class EngineSettings:
     """Optimizer steps."""
 
     def features(self) -> tuple[str, ...]:
-        """The row's features (DS_API.md section 2): () plain, else each setting that is not the default."""
+        """The row's features : () plain, else each setting that is not the default."""
         out = []
         if self.grad_accum > 1:
             out.append("grad-accum")

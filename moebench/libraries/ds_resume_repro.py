@@ -1,4 +1,4 @@
-"""The standalone reproduction of a DeepSpeed resume row (`verify-parity --repro`, DS_API.md §4).
+"""The standalone reproduction of a DeepSpeed resume row (`verify-parity --repro`).
 
 `repro_script(row, seed)` returns the source of one script (stdlib + torch + deepspeed; never moebench)
 that starts the row's gloo ranks on the CPU, trains SAVE_STEPS steps with torch's Adam, saves, loads into

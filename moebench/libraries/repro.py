@@ -1,6 +1,6 @@
 """`verify-parity --library NAME --repro DIR`: a standalone reproduction script per failing row.
 
-An adapter may have `repro_script(row, seed) -> str | None` (DS_API.md §4): the whole source of a script
+An adapter may have `repro_script(row, seed) -> str | None`: the whole source of a script
 that imports only the stdlib, torch and the library, starts its own gloo ranks on CPU, reproduces the row
 against the same mathematics on one process, prints the first diverging quantity and exits 1 when the bug
 shows, 0 when it does not, 2 on a setup error. What a user attaches to an upstream bug report.
@@ -57,7 +57,7 @@ def fill(name: str, settings: dict[str, Any], *, key: str) -> str:
 
 
 def deepspeed_engine_script(row: Row, seed: int) -> str | None:
-    """The script of a DeepSpeed engine row (params per DS_API.md §2), from row.params and row.world_size only;
+    """The script of a DeepSpeed engine row (params: EngineSettings' fields), from row.params and row.world_size;
     None for a row that is not an engine row (the wrapped layer check, resume rows) or that needs a judge the
     script has not got (bf16: a per-element tolerance is meaningless there)."""
     params = dict(row.params)

@@ -1,5 +1,5 @@
 """Faults injected into DeepSpeed's OWN objects (never its installed files), one per mechanism the engine
-rows must name (DS_API.md section 3): `FAULTS[name](set_attr)` patches the current process with
+rows must name: `FAULTS[name](set_attr)` patches the current process with
 `set_attr(obj, "attr", value)` (pytest's monkeypatch.setattr in-process; plain setattr through
 tests/faults/inject/sitecustomize.py in a subprocess). Ranks forked afterwards inherit the patch.
 

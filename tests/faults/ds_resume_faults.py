@@ -1,4 +1,4 @@
-"""Checkpoint bugs injected into DeepSpeed's own save / load code (DS_API.md §3; never its files).
+"""Checkpoint bugs injected into DeepSpeed's own save / load code (never its files).
 
 `FAULTS[name](set_attr)` patches DeepSpeed's classes in this process (forked ranks inherit it; a
 subprocess gets it through tests/faults/inject/sitecustomize.py). Each is a bug class seen in the wild:

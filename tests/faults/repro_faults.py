@@ -1,4 +1,4 @@
-"""Faults for the --repro tests, each patching the library's own objects (DS_API.md §3): FAULTS[name](set_attr).
+"""Faults for the --repro tests, each patching the library's own objects: FAULTS[name](set_attr).
 
 - expert-grad-x2: DeepSpeed's ZeRO 1/2 optimizer doubles the expert groups' gradients right after its
   reduction (the partition it will step on), as a reduction scaled by the wrong group size would;

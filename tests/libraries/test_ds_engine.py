@@ -246,3 +246,42 @@ def test_the_old_engine_check_is_blind_to_the_norm_and_accumulation_faults(monke
     ds_faults.FAULTS["accum-boundary-skip"](monkeypatch.setattr)
     record = run_checks(ParityConfig(world_size=2, checks=("deepspeed-engine-ep",), timeout_s=120.0))["checks"][0]
     assert record["status"] == "pass"
+
+
+# ------------------------------------------------------------------ speed: what a row's ranks import
+
+_COUNT_ROW_IMPORTS = """
+import os, sys
+from moebench.libraries import ds_engine
+def counted(ctx, row, opts, _run=ds_engine.run):
+    before = set(sys.modules)
+    try:
+        return _run(ctx, row, opts)
+    finally:
+        if ctx.rank == 0:
+            open(os.environ["COUNT_FILE"], "w").write("\\n".join(sorted(set(sys.modules) - before)))
+ds_engine.run = counted
+ds_engine.matrix = lambda w: [ds_engine.EngineSettings(zero_stage=1, ep_size=w)]
+from moebench.entry import main
+sys.argv = ["moebench", "verify-parity", "--library", "deepspeed", "-n", "2", "--results-dir", sys.argv[1]]
+main()
+"""
+MAX_ROW_IMPORTS = 300
+"""Modules a rank of an engine row may import on its own: ~100 remain (setuptools, for DeepSpeed's op
+probe); without the adapter's preload each rank imported ~1,500 at every row (torch._dynamo, inductor,
+DeepSpeed's Muon and AutoEP), 4.1 of a 4.4 s row at W = 4 (the W = 4 matrix: 199 s -> 45 s)."""
+
+
+@pytest.mark.multirank
+def test_a_rows_ranks_inherit_what_the_engine_imports_from_the_parent(tmp_path):
+    """Each row forks fresh ranks from the command's process: a module the row imports lazily is imported
+    again at every row, on every rank, unless the adapter's preload imported it in the parent."""
+    pytest.importorskip("deepspeed")
+    count = tmp_path / "imported.txt"
+    done = subprocess.run([sys.executable, "-c", _COUNT_ROW_IMPORTS, str(tmp_path / "results")], cwd=tmp_path,
+                          env={**os.environ, "COUNT_FILE": str(count), "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    imported = count.read_text().split()
+    assert len(imported) <= MAX_ROW_IMPORTS, imported[:50]
+    assert "torch._dynamo" not in imported and "torch._inductor.compile_fx" not in imported

@@ -2,7 +2,7 @@
 
 A script is run as a user runs it: `python SCRIPT` from another folder, with a poisoned `moebench`
 first on the path (any moebench import in it fails), a fault injected through
-tests/faults/inject/sitecustomize.py (DS_API.md §3) or none. It must exit 1 and name the diverging
+tests/faults/inject/sitecustomize.py or none. It must exit 1 and name the diverging
 quantity with the fault, 0 without, and end a hang by its deadline.
 """
 
@@ -34,7 +34,7 @@ SCRIPT_TIMEOUT_S = 240.0
 
 
 def ds_row(**params) -> Row:
-    """An engine row as ds-matrix builds them (DS_API.md §2)."""
+    """An engine row as ds-matrix builds them."""
     settings = {"zero_stage": 1, "ep_size": 2, "grad_accum": 1, "clip": 0.0, "precision": "fp32", "top_k": 1,
                 "drop_tokens": False, "use_residual": False, "steps": 2, **params}
     world = settings.pop("world_size", 2)

@@ -1,4 +1,4 @@
-"""Fault injection into a subprocess (the CLI, a --repro script, the ranks they start): DS_API.md §3.
+"""Fault injection into a subprocess (the CLI, a --repro script, the ranks they start).
 
 Put this folder first on PYTHONPATH (`PYTHONPATH=<repo>/tests/faults/inject:<repo>`) and set
 MOEBENCH_INJECT_FAULT="<module>:<name>" (module importable from tests/faults, e.g. "ds_faults:local-global-norm").
