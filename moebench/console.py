@@ -38,6 +38,34 @@ def stderr_to_devnull():
         os.close(devnull)
 
 
+@contextlib.contextmanager
+def output_captured():
+    """Inside: everything written to fd 1 and 2 (Python, C/C++, forked children: a library's banners and
+    progress bars) goes to a temporary file instead of the console. Yields a list that holds, on the way
+    out, the text written (for a caller that wants to quote it in an error)."""
+    import tempfile
+
+    captured: list[str] = []
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    saved = os.dup(1), os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as sink, open(sink.fileno(), "w", closefd=False) as text:
+        try:
+            os.dup2(sink.fileno(), 1)
+            os.dup2(sink.fileno(), 2)
+            # sys.stdout / sys.stderr may not be fds 1 and 2 (a caller's redirect, pytest's capture)
+            with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+                yield captured
+        finally:
+            text.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            sink.seek(0)
+            captured.append(sink.read().decode("utf-8", errors="replace"))
+
+
 ELLIPSIS = "…"
 """What rich puts where it cuts a cell that does not fit: a table showing it cut a number."""
 

@@ -57,11 +57,20 @@ PRELOAD = (
 
 
 def _has_module(name: str) -> bool:
-    """Whether `name` can be imported (its parent packages are imported to tell; a release without it: False)."""
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ImportError:
-        return False
+    """Whether this release has the module `name`, read off the files without importing anything (importing
+    DeepSpeed before the run sets DS_ACCELERATOR would make it probe, and log, its accelerator)."""
+    top, *parts = name.split(".")
+    spec = importlib.util.find_spec(top)  # a top-level name: found, not imported
+    folders = [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
+    if spec is None or not parts:
+        return spec is not None
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        packages = [f / part for f in folders if (f / part / "__init__.py").is_file()]
+        if last and (packages or any((f / f"{part}.py").is_file() for f in folders)):
+            return True
+        folders = packages
+    return False
 
 
 def source_version(package_dir: Path) -> str | None:

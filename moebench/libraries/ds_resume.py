@@ -388,6 +388,8 @@ def _convert_universal(ctx, folder: str) -> str | None:
     """Rank 0 runs DeepSpeed's own converter on the checkpoint; None, or its error."""
     import argparse
 
+    from moebench.console import output_captured
+
     error = None
     if ctx.rank == 0:
         try:
@@ -397,7 +399,8 @@ def _convert_universal(ctx, folder: str) -> str | None:
                                       output_folder=os.path.join(folder, f"{TAG}_universal"),
                                       num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
                                       strict=True, inject_missing_state=False)
-            ds_to_universal.main(args)
+            with output_captured():  # its banner and progress bars are not moebench's console
+                ds_to_universal.main(args)
             with open(os.path.join(folder, "latest_universal"), "w") as f:
                 f.write(f"{TAG}_universal")
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - the converter's refusal is the verdict

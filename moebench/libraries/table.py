@@ -15,12 +15,14 @@ LOAD_FIELDS = (("load_ep_mode", "under"), ("load_ep_size", "at ep_size"), ("load
 
 
 def _resume_line(r: dict[str, Any]) -> str:
-    """ "resume: loaded at the same layout" / "resume-to-all_reduce: loaded under all_reduce at ep_size 2": the
-    row's variant (the end of its check name) and where it was loaded."""
+    """ "resume+elastic+data-before-expert: loaded at the same layout" / "resume-to-all_reduce: loaded under
+    all_reduce at ep_size 2": the row's variant (the end of its check name; when that is only "resume", its
+    features in full, which the table's columns may cut) and where it was loaded."""
     variant = r.get("check", "").rsplit("/", 1)[-1]
+    if not variant.startswith("resume-"):
+        variant = "+".join(r.get("features") or ()) or "resume"
     where = [f"{words} {r[key]}" for key, words in LOAD_FIELDS if key in r]
-    return (f"{DIAGNOSIS_INDENT}{variant if variant.startswith('resume') else 'resume'}: loaded "
-            f"{' '.join(where) if where else 'at the same layout'}")
+    return f"{DIAGNOSIS_INDENT}{variant}: loaded {' '.join(where) if where else 'at the same layout'}"
 
 
 def _fit(rows: list[list[str]], header: list[str], width: int = WIDTH) -> tuple[list[int], str]:

@@ -252,7 +252,7 @@ def test_the_old_engine_check_is_blind_to_the_norm_and_accumulation_faults(monke
 
 _COUNT_ROW_IMPORTS = """
 import os, sys
-from moebench.libraries import ds_engine
+from moebench.libraries import ds_engine, ds_resume
 def counted(ctx, row, opts, _run=ds_engine.run):
     before = set(sys.modules)
     try:
@@ -262,8 +262,11 @@ def counted(ctx, row, opts, _run=ds_engine.run):
             open(os.environ["COUNT_FILE"], "w").write("\\n".join(sorted(set(sys.modules) - before)))
 ds_engine.run = counted
 ds_engine.matrix = lambda w: [ds_engine.EngineSettings(zero_stage=1, ep_size=w)]
+universal = [r for r in ds_resume.resume_rows(2) if r.key() == "deepspeed/resume+universal/zero1/ep=1to2/w2/resume"]
+ds_resume.resume_rows = lambda w: universal
 from moebench.entry import main
-sys.argv = ["moebench", "verify-parity", "--library", "deepspeed", "-n", "2", "--results-dir", sys.argv[1]]
+sys.argv = ["moebench", "verify-parity", "--library", "deepspeed", "--resume", "-n", "2", "--json",
+            "--results-dir", sys.argv[1]]
 main()
 """
 MAX_ROW_IMPORTS = 300
@@ -273,15 +276,23 @@ DeepSpeed's Muon and AutoEP), 4.1 of a 4.4 s row at W = 4 (the W = 4 matrix: 199
 
 
 @pytest.mark.multirank
-def test_a_rows_ranks_inherit_what_the_engine_imports_from_the_parent(tmp_path):
+def test_a_rows_ranks_inherit_what_the_engine_imports_and_the_console_stays_moebenchs(tmp_path):
     """Each row forks fresh ranks from the command's process: a module the row imports lazily is imported
-    again at every row, on every rank, unless the adapter's preload imported it in the parent."""
+    again at every row, on every rank, unless the adapter's preload imported it in the parent. That preload
+    must not import DeepSpeed before the run names its accelerator (DeepSpeed would log its probe), and
+    DeepSpeed's universal-checkpoint converter (a resume row) prints a banner and progress bars: neither
+    reaches the console."""
     pytest.importorskip("deepspeed")
     count = tmp_path / "imported.txt"
     done = subprocess.run([sys.executable, "-c", _COUNT_ROW_IMPORTS, str(tmp_path / "results")], cwd=tmp_path,
                           env={**os.environ, "COUNT_FILE": str(count), "PYTHONPATH": str(REPO)},
                           capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]  # the universal row's finding
     imported = count.read_text().split()
     assert len(imported) <= MAX_ROW_IMPORTS, imported[:50]
     assert "torch._dynamo" not in imported and "torch._inductor.compile_fx" not in imported
+    verdicts = {r["check"]: r["verdict"] for r in json.loads(done.stdout)["rows"]}
+    assert verdicts == {"deepspeed/moe.layer.MoE/-/ep=2/w2": "pass", "deepspeed/engine/zero1/ep=2/w2": "pass",
+                        "deepspeed/resume+universal/zero1/ep=1to2/w2/resume": "fail"}
+    for noise in ("Setting accelerator", "Universal", "Extracting ZeRO fragments", "it/s"):
+        assert noise not in done.stderr, done.stderr[-3000:]

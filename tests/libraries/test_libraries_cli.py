@@ -146,12 +146,18 @@ def test_resume_rows_say_where_they_were_loaded_under_the_row():
     text = conformance([{**base, "features": ["resume"]},
                         {**base, "features": ["resume"], "load_ep_mode": "all_reduce", "load_ep_size": 2,
                          "check": "transformers/mixtral/grouped_mm/all_to_all/w2/resume-to-all_reduce"},
-                        {**base, "features": ["loss-curve"]}])
+                        {**base, "features": ["loss-curve"]},
+                        # a DeepSpeed resume row: its features in full under it (the column cuts them at 80)
+                        {**base, "library": "deepspeed", "model": "resume+elastic+dbe", "backend": "zero2",
+                         "ep_mode": "ep=2", "features": ["resume", "elastic", "data-before-expert"],
+                         "check": "deepspeed/resume+elastic+dbe/zero2/ep=2/w4/resume"}])
     _fits(text)
     lines = text.splitlines()
     assert lines[3] == "    resume: loaded at the same layout"
     assert lines[5] == "    resume-to-all_reduce: loaded under all_reduce at ep_size 2"
-    assert len(lines) == 7  # the plain row has no line under it
+    assert lines[7].startswith("deepspeed ") and "~" in lines[7]  # cut at 80 columns
+    assert lines[8] == "    resume+elastic+data-before-expert: loaded at the same layout"
+    assert len(lines) == 9  # the plain row has no line under it
 
 
 def test_resume_without_library_is_one_line_exit_2():
