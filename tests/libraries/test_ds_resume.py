@@ -124,6 +124,28 @@ def test_resume_without_library_is_one_line_and_exit_2(tmp_path):
     assert not (tmp_path / "results").exists()
 
 
+W4_VERDICTS = {
+    **{f"deepspeed/resume/zero{s}/ep={ep}/w4/resume": "pass" for s in (0, 1, 2) for ep in (4, 2)},
+    **{f"deepspeed/resume/zero{s}/ep=4to2/w4/resume": "refused" for s in (0, 1, 2)},  # misleading messages
+    **{f"deepspeed/resume+noopt/zero{s}/ep=4to2/w4/resume": "pass" for s in (0, 1, 2)},
+    "deepspeed/resume/zero1to2/ep=4/w4/resume": "pass",
+    "deepspeed/resume/zero0to1/ep=4/w4/resume": "refused",  # a bare FileNotFoundError
+    "deepspeed/resume+dbe/zero0/ep=2/w4/resume": "pass",
+    "deepspeed/resume+dbe/zero2/ep=2/w4/resume": "pass",
+    "deepspeed/resume+elastic/zero1/ep=2/w4/resume": "pass",
+    "deepspeed/resume+elastic/zero2/ep=2/w4/resume": "pass",
+    "deepspeed/resume+elastic+dbe/zero2/ep=2/w4/resume": "fail",  # finding: get_ep_ranks assumes E + D
+    "deepspeed/resume+universal/zero1/ep=1/w4/resume": "pass",
+    "deepspeed/resume+universal/zero1/ep=1to2/w4/resume": "fail",  # finding: DeepSpeed#6589
+    "deepspeed/resume+universal/zero1/ep=1to4/w4/resume": "fail",
+    **{f"deepspeed/resume+universal/zero1/ep={ep}/w4/resume": "refused" for ep in ("4to1", "4to2", "4")},  # #5716
+}
+"""Every resume row's verdict at world size 4 on the pinned DeepSpeed (0.19.8), as measured and documented in
+docs/libraries.md; a failing row is a finding there, with its upstream issue."""
+EXACT_ROWS = [key for key, verdict in W4_VERDICTS.items() if verdict == "pass"]
+"""The rows that restore exactly: none may fail at any seed."""
+
+
 @pytest.mark.slow
 @pytest.mark.multirank
 def test_the_whole_matrix_at_world_4_within_3_minutes(tmp_path):
@@ -132,22 +154,15 @@ def test_the_whole_matrix_at_world_4_within_3_minutes(tmp_path):
                            "--world-size", "4", "--json"], capture_output=True, text=True, env=env, timeout=900,
                           check=False)
     doc = json.loads(done.stdout)
+    assert sum(r["elapsed_s"] for r in doc["rows"]) <= 180  # the engine matrix and the resume rows
     resume = [r for r in doc["rows"] if "resume" in r["features"]]
-    assert len(resume) == len(ds_resume.resume_rows(4))
-    assert sum(r["elapsed_s"] for r in resume) <= 180
+    assert {r["check"] for r in resume} == set(W4_VERDICTS) == {r.key() for r in ds_resume.resume_rows(4)}
+    assert {r["check"]: r["verdict"] for r in resume} == W4_VERDICTS
     for r in resume:
-        assert r["verdict"] in ("pass", "fail", "refused")
         assert r["verdict"] == "pass" or r["diagnosis"], r
-    verdicts = {r["check"]: r["verdict"] for r in resume}
-    for stage in (0, 1, 2):  # what resumes exactly today (DeepSpeed 0.19.8)
-        for ep in (4, 2):
-            assert verdicts[f"deepspeed/resume/zero{stage}/ep={ep}/w4/resume"] == "pass"
-        assert verdicts[f"deepspeed/resume/zero{stage}/ep=4to2/w4/resume"] == "refused"
-
-
-EXACT_ROWS = ["deepspeed/resume/zero0/ep=4/w4/resume", "deepspeed/resume/zero1/ep=2/w4/resume",
-              "deepspeed/resume/zero2/ep=4/w4/resume", "deepspeed/resume+dbe/zero2/ep=2/w4/resume",
-              "deepspeed/resume+elastic/zero1/ep=2/w4/resume"]
+        if r["verdict"] == "fail":
+            assert r["diagnosis_name"] == "permutation", r
+    assert done.returncode == 1  # the findings fail the run; the refusals alone would not
 
 
 @pytest.mark.slow
