@@ -41,7 +41,7 @@ class Row:
 
 
 class Adapter(Protocol):
-    """One library: its rows, and how each runs on every rank (see LIBRARY_API.md)."""
+    """One library: its rows, and how each runs on every rank (docs/libraries.md, "Adding a library")."""
 
     name: str
     """The library's name on the command line."""
