@@ -431,35 +431,18 @@ def run(ctx, row: Row, opts) -> list:
     return out
 
 
-BF16_NOISE_RATIO = 4.0
-"""A bf16 row passes when its whole-model reduced gradient is at most this many times farther (relative
-L2) from the float32 reference than the same mathematics in bf16 on one process is. The engine adds
-what one process does not: its reduction and accumulation buffers (bf16 communication, a different
-summation order); measured here (DeepSpeed 0.19.8, W = 4) every unbroken bf16 row sits at ratios
-1.36-1.54, while expert gradients divided by the wrong group's size (2x) lie at 51-354."""
-
-
 def _noise_model(tag: str, reduced: dict, gname: dict, ref_step: RefStep, base_step: RefStep, s: EngineSettings,
                  world: int):
-    """The bf16 judgement: whole-model relative L2 distance of the reduced gradient from float32, this
-    engine's (every parameter once: replicated ones weighted 1/W, experts ep/W, summed over ranks) against
-    the one-process bf16 baseline's."""
-    from moebench.parity.compare import assertion
+    """The bf16 judgement (moebench.parity.noise): whole-model relative L2 distance of the reduced gradient
+    from float32, this engine's (every parameter once: replicated ones weighted 1/W, experts ep/W, summed
+    over ranks) against the one-process bf16 baseline's."""
+    from moebench.parity import noise
 
-    sums = torch.zeros(2, dtype=torch.float64)
-    for n, g in reduced.items():
-        weight = (s.ep_size if group(gname[n]) == "experts" else 1) / world
-        expected = ref_step.grad[gname[n]]
-        sums += torch.tensor([weight * float(((g - expected) ** 2).sum()), weight * float((expected ** 2).sum())])
-    dist.all_reduce(sums)
-    d_row = math.sqrt(float(sums[0]) / float(sums[1])) if sums[1] > 0 else math.inf
-    num = sum(float(((base_step.grad[n] - e) ** 2).sum()) for n, e in ref_step.grad.items())
-    den = sum(float((e ** 2).sum()) for e in ref_step.grad.values())
-    d_base = math.sqrt(num / den) if den > 0 else math.inf
-    ok = bool(reduced) and d_row <= BF16_NOISE_RATIO * d_base
-    return assertion(f"{tag}: bf16 noise model: reduced gradient's distance from fp32 {d_row:.3g} <= "
-                     f"{BF16_NOISE_RATIO:g} x bf16 on one process ({d_base:.3g})", ok,
-                     note=f"ratio {d_row / d_base:.3g}" if d_base > 0 else "no baseline distance")
+    run = sum((noise.sums([(g, ref_step.grad[gname[n]])], (s.ep_size if group(gname[n]) == "experts" else 1) / world)
+               for n, g in reduced.items()), torch.zeros(3, dtype=torch.float64))
+    dist.all_reduce(run)
+    baseline = noise.sums((base_step.grad[n], e) for n, e in ref_step.grad.items())
+    return noise.judge(tag, "reduced gradient", run, baseline)
 
 
 def _bf16_supported_or_skip(s: EngineSettings) -> None:

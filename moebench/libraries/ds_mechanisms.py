@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from moebench.parity import noise
 from moebench.parity.compare import Comparison
 from moebench.parity.diagnose import FIRST_DIVERGENCE
 
@@ -181,9 +182,9 @@ def analyse(v: StepView) -> dict[str, Any] | None:
         what = losses[0].name.split(": ", 1)[1]
         return _finding("loss", "forward-differs", f"the loss differs before any gradient ({what}): the model, "
                         "its weights or its routing differ", f"{tag}, output")
-    noise = [c for c in failed if "bf16 noise model" in c.name]
-    if noise:
-        return _bf16_finding(v, noise[0], tag)
+    noise_failed = [c for c in failed if "bf16 noise model" in c.name]
+    if noise_failed:
+        return _bf16_finding(v, noise_failed[0], tag)
     wrong = {n: ae for n, ae in v.grads.items() if ("grad", n) in v.wrong}
     if wrong:
         return _grad_finding(v, wrong, tag)
@@ -240,47 +241,25 @@ def _grad_finding(v: StepView, wrong: dict, tag: str) -> dict[str, Any]:
                     diagnosis=d["name"])
 
 
-BF16_FIT_RTOL = 0.05
-"""In bf16 a group's gradient is `c x the reference's` when the rest is within 5 % of it (relative L2):
-bf16 noise is ~0.5 % here (the noise model's distances), a wrong share of a gradient leaves >= 20 %."""
-
-
-def _group_fit(pairs: list) -> tuple[float, float] | None:
-    """(c, relative L2 residual) of the least-squares fit actual = c x expected over a group's tensors."""
-    ae = sum(float((a * e).sum()) for a, e in pairs)
-    ee = sum(float((e * e).sum()) for _, e in pairs)
-    if ee == 0:
-        return None
-    c = ae / ee
-    resid = sum(float(((a - c * e) ** 2).sum()) for a, e in pairs)
-    aa = sum(float((a * a).sum()) for a, _ in pairs)
-    return c, (resid / aa) ** 0.5 if aa > 0 else 0.0
-
-
-def _bf16_finding(v: StepView, noise, tag: str) -> dict[str, Any]:
+def _bf16_finding(v: StepView, noise_failed, tag: str) -> dict[str, Any]:
     """A bf16 row whose gradient is farther from fp32 than the noise model allows: a group scaled by one
     factor is named as in fp32 (with a looser fit: bf16 noise), else the distance is the finding."""
-    fits = {}
-    for g in ("experts", "dense", "gate"):
-        pairs = [ae for n, ae in v.grads.items() if _group(n) == g]
-        fit = _group_fit(pairs) if pairs else None
-        if fit is not None:
-            fits[g] = fit
-    scaled = {g: c for g, (c, resid) in fits.items() if resid <= BF16_FIT_RTOL and abs(c - 1) > BF16_FIT_RTOL}
-    right = {g for g, (c, resid) in fits.items() if resid <= BF16_FIT_RTOL and abs(c - 1) <= BF16_FIT_RTOL}
-    if set(scaled) == {"experts"} and right == set(fits) - {"experts"}:
+    groups = {g: noise.sums(ae for n, ae in v.grads.items() if _group(n) == g) for g in ("experts", "dense", "gate")}
+    present = {g for g, s in groups.items() if s[2] > 0}  # the groups with a nonzero reference gradient
+    scaled, right = noise.scaled_groups({g: groups[g] for g in present})
+    if set(scaled) == {"experts"} and right == present - {"experts"}:
         k = scaled["experts"]
         why = v.sizes.explain(k)
         return _finding("reduced gradient", "expert-grad-scale",
                         f"expert gradients scaled by {k:.3g} (bf16; dense and gate right within the noise): "
                         + ("; ".join(why) or "no group size of this row gives it"), f"{tag}, experts", scale=k,
                         explanations=why)
-    if scaled and set(scaled) == set(fits) and max(scaled.values()) - min(scaled.values()) <= BF16_FIT_RTOL:
+    if scaled and set(scaled) == present and max(scaled.values()) - min(scaled.values()) <= noise.FIT_RTOL:
         k = next(iter(scaled.values()))
         return _finding("reduced gradient", "loss-scale",
                         f"every reduced gradient scaled by {k:.3g} (bf16): the loss scale (or 1/grad_accum) is not "
                         "undone, or undone twice", f"{tag}, all groups", scale=k)
-    return _finding("reduced gradient", "bf16-noise", f"{noise.name.split(': ', 1)[1]}: {noise.note}",
+    return _finding("reduced gradient", "bf16-noise", f"{noise_failed.name.split(': ', 1)[1]}: {noise_failed.note}",
                     f"{tag}, all groups")
 
 

@@ -68,6 +68,8 @@ SEQ_LEN = 16
 # Three SGD steps: enough for a wrong gradient to bend the loss curve, cheap at this size.
 STEPS = 3
 LR = 0.1
+BF16_BACKEND = "grouped_mm"
+"""The experts implementation of the bf16 rows: transformers' default (`get_correct_experts_implementation`)."""
 BLOCK = "model.layers.0.mlp"
 OUTPUT = "(output)"
 """The key of a wrong reference's block output (beside its parameters' gradients)."""
@@ -129,6 +131,9 @@ class TransformersAdapter:
                 for model in MODELS for backend in BACKENDS for mode in EP_MODES]
         rows += [Row(library=NAME, model=MODELS[0], backend=backend, ep_mode=EP_MODES[0], world_size=world_size)
                  for backend in CUDA_BACKENDS]
+        # bf16, the precision these models train in, judged by the noise model (moebench.parity.noise)
+        rows += [Row(library=NAME, model=model, backend=BF16_BACKEND, ep_mode=mode, world_size=world_size,
+                     features=("bf16",), variant="bf16") for model in MODELS for mode in EP_MODES]
         if resume:  # save_pretrained -> from_pretrained at the same and another layout (transformers_resume.py)
             from moebench.libraries.transformers_resume import resume_rows
 
@@ -146,11 +151,14 @@ class TransformersAdapter:
                 from moebench.libraries import transformers_resume
 
                 return transformers_resume.run(ctx, row, opts)
+            if "bf16" in row.features:
+                return _run_bf16(ctx, row, opts)
             return _run(ctx, row, opts)
 
     def repro_script(self, row: Row, seed: int) -> str | None:
-        """A standalone script reproducing the row (libraries/repro.py); None for a row that cannot run here."""
-        if skip_reason(row) is not None:
+        """A standalone script reproducing the row (libraries/repro.py); None for a row that cannot run here
+        or that needs a judge the script has not got (bf16: a per-element tolerance is meaningless there)."""
+        if skip_reason(row) is not None or "bf16" in row.features:
             return None
         from moebench.libraries.repro import fill
 
@@ -544,4 +552,107 @@ def _run(ctx, row: Row, opts) -> list:
                     cmp(f"{name}[expert {e}] after {STEPS} SGD steps", local[i], ref_params[name].detach()[e])
         else:
             cmp(f"{name} after {STEPS} SGD steps", _full(p.detach()), ref_params[name].detach())
+    return out
+
+
+# ------------------------------------------------------------------ bf16 rows: the noise model
+
+
+def _param_group(name: str) -> str:
+    """A block parameter's group for the bf16 diagnosis: experts, router, or the rest (shared experts, ...)."""
+    return "experts" if _is_expert(name) else "router" if name.split(".")[0] == "gate" else "rest"
+
+
+GROUP_WORDS = {"experts": "expert", "router": "router", "rest": "other"}
+"""How a parameter group of a bf16 row is named in a sentence ("expert gradients scaled by 2")."""
+
+
+def _bf16_diagnosis(groups: dict, baseline: dict, judged, world_size: int) -> dict[str, Any]:
+    """What a bf16 gradient farther from float32 than the noise model allows is: a group scaled by one factor
+    (named as in float32: expert gradients x W are `uniform-scale`), else the distance and each group's fit."""
+    from moebench.parity import noise
+
+    present = {g for g, s in groups.items() if s[2] > 0}
+    scaled, right = noise.scaled_groups({g: groups[g] for g in present}, baseline)
+    if scaled and max(scaled.values()) - min(scaled.values()) <= noise.FIT_RTOL * max(scaled.values()) \
+            and right == present - set(scaled):
+        k = next(iter(scaled.values()))
+        integer = round(k) if round(k) >= 2 and abs(k - round(k)) <= noise.FIT_RTOL * k else None
+        why = f": summed instead of averaged over {world_size} ranks (the world size)" if integer == world_size else ""
+        rest = f" ({', '.join(GROUP_WORDS[g] for g in sorted(right))} right within the noise)" if right else ""
+        return {"name": "uniform-scale", "sentence": f"bf16: {' and '.join(GROUP_WORDS[g] for g in sorted(scaled))} "
+                f"gradients scaled by {k:.3g}{rest}{why}",
+                "details": {"integer": integer, "scale": k, "groups": sorted(scaled)}}
+    fits = {g: noise.fit(groups[g]) for g in sorted(present)}
+    shown = ", ".join(f"{GROUP_WORDS[g]} x{c:.3g} (residual {100 * resid:.0f} %)" for g, (c, resid) in fits.items())
+    return {"name": "bf16-noise", "sentence": f"{judged.name.split(': ', 1)[1]} ({judged.note}); fitted per group: "
+            f"{shown}", "details": {"fits": {g: list(f) for g, f in fits.items()}}}
+
+
+def _run_bf16(ctx, row: Row, opts) -> list:
+    """A bf16 row: the expert-parallel model loaded in bf16 (`dtype=torch.bfloat16`), one forward and backward
+    of the global batch, judged by the noise model (moebench.parity.noise) against the float32 block on one
+    process: the output, every parameter's gradient (each expert once over the ranks) and the input gradient,
+    each at most BF16_NOISE_RATIO x the distance of the same block in bf16 on one process from float32."""
+    import torch
+    import torch.distributed as dist
+
+    from moebench.parity import noise
+    from moebench.parity.compare import assertion
+
+    r, w = ctx.rank, ctx.world_size
+    config_cls, model_cls, kwargs = model_classes(row.model)
+    config = config_cls(**kwargs)
+    state = _state_dict(model_cls, config, opts.seed)
+    models = [model_cls.from_pretrained(None, config=config, state_dict=_copy(state),
+                                        experts_implementation=row.backend, **extra)
+              for extra in ({}, {"dtype": torch.bfloat16},
+                            {"dtype": torch.bfloat16, "distributed_config": _distributed_config(row)})]
+    ref, base, par = (m.train().get_submodule(BLOCK) for m in models)  # `models` keeps the whole models alive
+    shared = shares_batch(row)
+    rows = slice(None) if shared else slice(r * SEQS_PER_RANK, (r + 1) * SEQS_PER_RANK)
+    share = 1 / w if shared else 1.0  # every rank holds the whole shared batch: counted once over the ranks
+    x_all, t_all = _batch(opts.seed, 0, w)
+
+    def forward_backward(block, x, t, dtype):
+        x = x.detach().to(dtype).clone().requires_grad_(True)
+        y = block(x)
+        ((y.float() * t).sum() / t[..., 0].numel()).backward()  # mean over the tokens this process holds
+        return y.detach().float(), x.grad.float()
+
+    y_ref, gx_ref = forward_backward(ref, x_all, t_all, torch.float32)
+    y_base, gx_base = forward_backward(base, x_all, t_all, torch.bfloat16)
+    y_par, gx_par = forward_backward(par, x_all[rows], t_all[rows], torch.bfloat16)
+    scale = 1 if shared else w  # a rank's input gradient is of its own loss: W x the global mean's
+    out, missing = [], []
+    ref_params, base_params = dict(ref.named_parameters()), dict(base.named_parameters())
+    run = {g: torch.zeros(3, dtype=torch.float64) for g in ("experts", "router", "rest")}
+    baseline = {g: torch.zeros(3, dtype=torch.float64) for g in run}
+    for name, p in par.named_parameters():
+        g, ref_grad = _param_group(name), ref_params[name].grad
+        baseline[g] += noise.sums([(base_params[name].grad, ref_grad)])
+        if p.grad is None:
+            missing.append(name)
+        elif _is_expert(name):  # each local expert against the reference expert it is (bf16 weights equal)
+            local = _local(p.grad)
+            for i, e in enumerate(_expert_map(_local(p.detach()), base_params[name].detach())):
+                if e is None:
+                    missing.append(f"{name}[local {i}]")
+                else:
+                    run[g] += noise.sums([(local[i], ref_grad[e])])
+        else:
+            run[g] += noise.sums([(_full(p.grad), ref_grad)], 1 / w)
+    sums = torch.stack([noise.sums([(y_par, y_ref[rows])], share), noise.sums([(gx_par, gx_ref[rows] * scale)], share),
+                        *run.values()])
+    dist.all_reduce(sums)
+    y_run, gx_run, *grads = sums
+    run = dict(zip(run, grads))
+    out.append(assertion("every parameter has a gradient and every local expert is one of the reference's",
+                         not missing, rank=r, note=f"missing: {', '.join(missing)}" if missing else ""))
+    out.append(noise.judge("step 1", "output", y_run, noise.sums([(y_base, y_ref)]), rank=r))
+    judged = noise.judge("step 1", "parameter gradient", sum(run.values()), sum(baseline.values()), rank=r)
+    if not judged.passed:
+        judged.diagnosis = _bf16_diagnosis(run, baseline, judged, w)
+    out.append(judged)
+    out.append(noise.judge("step 1", "input grad", gx_run, noise.sums([(gx_base, gx_ref)]), rank=r))
     return out

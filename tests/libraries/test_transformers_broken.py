@@ -31,13 +31,8 @@ def _use_ep_implementation(monkeypatch, name: str, cls) -> None:
     monkeypatch.setitem(EPImplementationInterface._global_mapping, name, cls)
 
 
-def test_expert_gradients_times_world_size(monkeypatch):
-    """(a) Expert gradients summed over the data-parallel ranks instead of averaged: the all-to-all backward
-    already brings every rank's tokens' gradient to the expert's owner, and FSDP2 over the expert mesh
-    (efsdp, size 1 here) divides by 1, so transformers must divide by dp_size itself
-    (`set_gradient_divide_factor` in distributed/fsdp.py). Without it the experts train W times too fast.
-    Real instances of the class: NVIDIA/Megatron-LM#5956 (FSDP + EP expert gradients ep_size x too large),
-    deepspeedai/DeepSpeed#5259 (EP=2 expert gradients exactly 2x), databricks/megablocks#20."""
+def _experts_summed_over_ranks(monkeypatch) -> None:
+    """FSDP2's divide factor on the experts reset to 1: expert gradients summed over the ranks."""
     import transformers.distributed.mixin as mixin
 
     original = mixin.apply_fully_sharded_data_parallelism
@@ -50,6 +45,56 @@ def test_expert_gradients_times_world_size(monkeypatch):
         return model
 
     monkeypatch.setattr(mixin, "apply_fully_sharded_data_parallelism", without_divide_factor)
+
+
+def _router_gradient_never_reduced(monkeypatch) -> None:
+    """AllReduceEP without the backward all-reduce of top_k_weights."""
+    import torch
+    from transformers.distributed import expert_parallel as ep
+
+    class RouterGradientNeverReduced(ep.AllReduceEP):
+        def __call__(self, hidden_states, top_k_index, top_k_weights):
+            ep_group = self.ep_mesh.get_group()
+            hidden_states = ep._AllReduceBackward.apply(hidden_states, ep_group)
+            off_rank = (top_k_index // self.num_local_experts) != self.ep_mesh.get_local_rank()
+            local_index = torch.where(off_rank, self.num_local_experts, top_k_index % self.num_local_experts)
+            expert_output = self.experts_forward(hidden_states, local_index, top_k_weights.masked_fill(off_rank, 0.0))
+            return ep._AllReduceForward.apply(expert_output, ep_group)
+
+    _use_ep_implementation(monkeypatch, "all_reduce", RouterGradientNeverReduced)
+
+
+def _dispatch_without_backward(monkeypatch) -> None:
+    """AllToAllEP whose dispatched tokens are cut from the graph."""
+    from transformers.distributed import expert_parallel as ep
+
+    class DispatchWithoutBackward(ep.AllToAllEP):
+        def _dispatch_tokens(self, hidden_states, top_k_index, top_k_weights):
+            tokens, expert_ids, weights, state = super()._dispatch_tokens(hidden_states, top_k_index, top_k_weights)
+            return tokens.detach(), expert_ids, weights, state
+
+    _use_ep_implementation(monkeypatch, "all_to_all", DispatchWithoutBackward)
+
+
+def _weights_paired_wrong(monkeypatch) -> None:
+    """AllToAllEP with each token's top-k weights reversed."""
+    from transformers.distributed import expert_parallel as ep
+
+    class WeightsPairedWrong(ep.AllToAllEP):
+        def __call__(self, hidden_states, top_k_index, top_k_weights):
+            return super().__call__(hidden_states, top_k_index, top_k_weights.flip(-1))
+
+    _use_ep_implementation(monkeypatch, "all_to_all", WeightsPairedWrong)
+
+
+def test_expert_gradients_times_world_size(monkeypatch):
+    """(a) Expert gradients summed over the data-parallel ranks instead of averaged: the all-to-all backward
+    already brings every rank's tokens' gradient to the expert's owner, and FSDP2 over the expert mesh
+    (efsdp, size 1 here) divides by 1, so transformers must divide by dp_size itself
+    (`set_gradient_divide_factor` in distributed/fsdp.py). Without it the experts train W times too fast.
+    Real instances of the class: NVIDIA/Megatron-LM#5956 (FSDP + EP expert gradients ep_size x too large),
+    deepspeedai/DeepSpeed#5259 (EP=2 expert gradients exactly 2x), databricks/megablocks#20."""
+    _experts_summed_over_ranks(monkeypatch)
     result = _one("mixtral", "grouped_mm", "all_to_all")
     assert not result.passed
     grads = [c for c in result.failed if c.name.startswith("grad ")]
@@ -67,19 +112,7 @@ def test_router_gradient_never_all_reduced(monkeypatch):
     (`_AllReduceBackward` on top_k_weights in AllReduceEP); without that the router gradient stays
     rank-local. Real instances: huggingface/transformers#48205 ("each rank's score gradient covers only its
     local experts' slots"), pytorch/torchtitan#2387 (router gradient never reduced under TP)."""
-    import torch
-    from transformers.distributed import expert_parallel as ep
-
-    class RouterGradientNeverReduced(ep.AllReduceEP):
-        def __call__(self, hidden_states, top_k_index, top_k_weights):
-            ep_group = self.ep_mesh.get_group()
-            hidden_states = ep._AllReduceBackward.apply(hidden_states, ep_group)
-            off_rank = (top_k_index // self.num_local_experts) != self.ep_mesh.get_local_rank()
-            local_index = torch.where(off_rank, self.num_local_experts, top_k_index % self.num_local_experts)
-            expert_output = self.experts_forward(hidden_states, local_index, top_k_weights.masked_fill(off_rank, 0.0))
-            return ep._AllReduceForward.apply(expert_output, ep_group)
-
-    _use_ep_implementation(monkeypatch, "all_reduce", RouterGradientNeverReduced)
+    _router_gradient_never_reduced(monkeypatch)
     result = _one("olmoe", "eager", "all_reduce")
     assert not result.passed
     assert "grad gate.weight" in {c.name for c in result.failed}, result.describe()
@@ -97,14 +130,7 @@ def test_no_backward_all_to_all(monkeypatch):
     expert and router gradients stay right; the input gradient misses every expert path. Real instances:
     pytorch/torchtitan#989 (all_to_all token shuffle without backward, "Enable backward"),
     lucidrains/soft-moe-pytorch#4 (parameters on other ranks receive no gradient)."""
-    from transformers.distributed import expert_parallel as ep
-
-    class DispatchWithoutBackward(ep.AllToAllEP):
-        def _dispatch_tokens(self, hidden_states, top_k_index, top_k_weights):
-            tokens, expert_ids, weights, state = super()._dispatch_tokens(hidden_states, top_k_index, top_k_weights)
-            return tokens.detach(), expert_ids, weights, state
-
-    _use_ep_implementation(monkeypatch, "all_to_all", DispatchWithoutBackward)
+    _dispatch_without_backward(monkeypatch)
     result = _one("qwen3_moe", "eager", "all_to_all")
     assert not result.passed
     failed = {c.name for c in result.failed}
@@ -121,13 +147,7 @@ def test_scores_paired_with_the_wrong_experts(monkeypatch):
     between dispatch and combine). Real instances: xberg-io/xberg#1211 (DeepSeek MoE gate binds top-k
     indices and weights the wrong way round), sgl-project/sglang#8125 (unsorted top-k: the score of one
     expert used for another)."""
-    from transformers.distributed import expert_parallel as ep
-
-    class WeightsPairedWrong(ep.AllToAllEP):
-        def __call__(self, hidden_states, top_k_index, top_k_weights):
-            return super().__call__(hidden_states, top_k_index, top_k_weights.flip(-1))
-
-    _use_ep_implementation(monkeypatch, "all_to_all", WeightsPairedWrong)
+    _weights_paired_wrong(monkeypatch)
     result = _one("mixtral", "batched_mm", "all_to_all")
     assert not result.passed
     assert "output" in {c.name for c in result.failed}, result.describe()
@@ -167,3 +187,36 @@ def test_router_gradient_from_slots_never_routed(monkeypatch):
     assert "gate/router" in result.failed_groups()
     assert result.failed[0].name == "grad gate.weight", result.describe()
     assert result.failed[0].diagnosis["name"] == "unrouted-slots", result.describe()
+
+
+BF16_CASES = [  # (patch, model, EP mode, the noise-model judgement that fails first, its diagnosis)
+    (_experts_summed_over_ranks, "mixtral", "all_to_all", "parameter gradient", "uniform-scale"),
+    (_router_gradient_never_reduced, "olmoe", "all_reduce", "parameter gradient", "bf16-noise"),
+    (_dispatch_without_backward, "qwen3_moe", "all_to_all", "input grad", None),
+    (_weights_paired_wrong, "mixtral", "all_to_all", "output", None),
+]
+
+
+@pytest.mark.parametrize("patch,model,mode,judgement,diagnosis", BF16_CASES,
+                         ids=[c[0].__name__[1:] for c in BF16_CASES])
+def test_the_bf16_rows_noise_model_catches_each_bug(monkeypatch, patch, model, mode, judgement, diagnosis):
+    """The same bugs in bf16 (the row's precision judged by moebench.parity.noise, not per element): each
+    leaves its judgement far outside the noise of bf16 on one process; expert gradients x W are named."""
+    from libraries.hf_launch import run_rows
+
+    from moebench.libraries.base import Row
+    from moebench.libraries.transformers import BF16_BACKEND
+
+    patch(monkeypatch)
+    row = Row(library="transformers", model=model, backend=BF16_BACKEND, ep_mode=mode, world_size=2,
+              features=("bf16",), variant="bf16")
+    (result,) = run_rows([row], 2)
+    assert not result.passed
+    first = result.failed[0]
+    assert first.name.startswith(f"step 1: bf16 noise model: {judgement}'s distance from fp32"), result.describe()
+    assert float(first.note.split()[-1]) > 5, result.describe()  # the ratio: unbroken rows measure 0.98-1.03
+    if diagnosis:
+        assert first.diagnosis["name"] == diagnosis, result.describe()
+    if diagnosis == "uniform-scale":
+        assert "expert gradients scaled by 2 (router right within the noise): summed instead of averaged over 2 " \
+            "ranks" in first.diagnosis["sentence"]

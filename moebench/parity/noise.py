@@ -1,0 +1,86 @@
+"""Low precision judged by a noise model, not element by element.
+
+In bf16 every element differs from the float32 result by rounding, so a per-element tolerance either
+passes everything or nothing. The judge instead: a run's relative L2 distance from the float32 reference,
+over the whole model, must be at most BF16_NOISE_RATIO x the distance of the same mathematics in the same
+precision on one process (the baseline). A parallel run may add the rounding of its own reductions; a
+wrong share of a gradient (a group divided by the wrong size, a missing contribution) is a distance of
+its own size, tens of times the baseline's.
+
+Distances are built from sums, so each rank can sum what it holds (weighted so that every parameter
+counts once over the ranks) and one all-reduce gives the whole model's: `sums` per tensor pair, added,
+then `distance`. `fit` reads off the same sums whether a group is the reference scaled by one factor.
+Used by the DeepSpeed engine rows and the transformers rows (moebench/libraries/).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+
+from moebench.parity.compare import Comparison, assertion
+
+BF16_NOISE_RATIO = 4.0
+"""A bf16 run passes when its distance from float32 is at most this many times the one-process bf16
+baseline's. Measured here: unbroken DeepSpeed engine rows (0.19.8, W = 4) at 1.36-1.54 and transformers
+rows (5.23.0, W = 2 and 4) at 0.98-1.6; expert gradients divided by the wrong group's size (2x) at 51-354,
+and transformers' experts summed over 2 ranks instead of averaged at ~170."""
+FIT_RTOL = 0.05
+"""A group is `c x the reference` when what is left after the fit is within 5 % of it (relative L2):
+bf16 noise is ~0.5 % here (the noise model's distances), a wrong share of a gradient leaves >= 20 %."""
+
+
+def sums(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], weight: float = 1.0) -> torch.Tensor:
+    """[sum a*a, sum a*e, sum e*e] over (actual, expected) pairs, in float64, times `weight` (a parameter that
+    several ranks hold is weighted by 1 / how many, so the sums over the ranks count it once)."""
+    out = torch.zeros(3, dtype=torch.float64)
+    for a, e in pairs:
+        a, e = a.detach().double(), e.detach().double()
+        out += torch.stack([(a * a).sum(), (a * e).sum(), (e * e).sum()])
+    return out * weight
+
+
+def distance(s: torch.Tensor) -> float:
+    """|a - e| / |e| from sums (inf when the reference is all zeros)."""
+    aa, ae, ee = (float(v) for v in s)
+    return math.sqrt(max(aa - 2 * ae + ee, 0.0) / ee) if ee > 0 else math.inf
+
+
+def fit(s: torch.Tensor) -> tuple[float, float] | None:
+    """(c, relative L2 residual) of the least-squares fit actual = c x expected; None without a reference."""
+    aa, ae, ee = (float(v) for v in s)
+    if ee == 0:
+        return None
+    c = ae / ee
+    return c, math.sqrt(max(aa - 2 * c * ae + c * c * ee, 0.0) / aa) if aa > 0 else 0.0
+
+
+def scaled_groups(groups: dict[str, torch.Tensor], baseline: dict[str, torch.Tensor] | None = None
+                  ) -> tuple[dict[str, float], set[str]]:
+    """({group: c} for each group that is the reference scaled by c != 1, the groups that are right), from
+    each group's sums; a group that fits no single factor is in neither. A fit is read to FIT_RTOL, or to
+    BF16_NOISE_RATIO x the group's `baseline` distance where bf16 itself moves the group more (a router whose
+    top-k flips for a few tokens in bf16)."""
+    scaled, right = {}, set()
+    for name, s in groups.items():
+        found = fit(s)
+        floor = BF16_NOISE_RATIO * distance(baseline[name]) if baseline and name in baseline else 0.0
+        slack = max(FIT_RTOL, floor)
+        if found is None or found[1] > slack:
+            continue
+        if abs(found[0] - 1) > slack:
+            scaled[name] = found[0]
+        else:
+            right.add(name)
+    return scaled, right
+
+
+def judge(tag: str, what: str, run: torch.Tensor, baseline: torch.Tensor, *, rank: int | None = None) -> Comparison:
+    """The noise-model assertion: the run's distance (from its sums) within BF16_NOISE_RATIO x the baseline's."""
+    d_run, d_base = distance(run), distance(baseline)
+    ok = d_run <= BF16_NOISE_RATIO * d_base
+    return assertion(f"{tag}: bf16 noise model: {what}'s distance from fp32 {d_run:.3g} <= "
+                     f"{BF16_NOISE_RATIO:g} x bf16 on one process ({d_base:.3g})", ok, rank=rank,
+                     note=f"ratio {d_run / d_base:.3g}" if d_base > 0 else "no baseline distance")
