@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moebench.libraries.base import Row
+from moebench.libraries.ds_user_config import BINDING_CLIP, clip_loss_multiplier
 from moebench.models.deepspeed_moe import TinyMoENet
 
 D_MODEL = 8
@@ -49,7 +50,7 @@ STEPS = 2
 """Optimizer steps per row: the second shows whether the first step's weights were right everywhere."""
 AUX_WEIGHT = 0.01
 """Weight of DeepSpeed's load-balancing loss in the training loss (so the gate's gradient includes it)."""
-CLIP = 0.05
+CLIP = BINDING_CLIP
 """gradient_clipping of a clip row: the reference's unclipped global norm is 0.15-0.4 on these
 models and data (measured), so the clip binds at every step (asserted in the row)."""
 DROPS_CAPACITY_FACTOR = 0.5
@@ -84,6 +85,9 @@ class EngineSettings:
     """Residual MoE: a dense MLP beside the experts."""
     steps: int = STEPS
     """Optimizer steps."""
+    loss_multiplier: float = 1.0
+    """The loss is multiplied by this, engine and reference alike: a user's gradient_clipping larger than the
+    small model's gradient norm binds this way (ds_user_config.clip_loss_multiplier)."""
 
     def features(self) -> tuple[str, ...]:
         """The row's features : () plain, else each setting that is not the default."""
@@ -147,7 +151,9 @@ def user_rows_settings(world_size: int, user_config: dict) -> list[EngineSetting
         raise ValueError(f"unknown user_config keys {sorted(unknown)}; expected {USER_CONFIG_KEYS}")
     if user_config.get("precision", "fp32") not in PRECISIONS:
         raise ValueError(f"precision {user_config['precision']!r} is not one of {PRECISIONS}")
-    return [EngineSettings(ep_size=ep, **{"zero_stage": 0, **user_config}) for ep in ep_sizes(world_size)]
+    multiplier = clip_loss_multiplier(user_config.get("clip", 0.0))
+    return [EngineSettings(ep_size=ep, loss_multiplier=multiplier, **{"zero_stage": 0, **user_config})
+            for ep in ep_sizes(world_size)]
 
 
 def row_of(settings: EngineSettings, world_size: int, *, variant: str | None = None) -> Row:
@@ -222,9 +228,9 @@ def _batch(seed: int, stage: int, step: int, micro: int, rank: int) -> tuple[tor
     return torch.randn(*MICRO, D_MODEL, generator=g), torch.randn(*MICRO, D_MODEL, generator=g)
 
 
-def _loss(model, x, y):
+def _loss(model, x, y, multiplier: float = 1.0):
     pred, aux = model(x)
-    return torch.nn.functional.mse_loss(pred.float(), y) + AUX_WEIGHT * aux.float()
+    return (torch.nn.functional.mse_loss(pred.float(), y) + AUX_WEIGHT * aux.float()) * multiplier
 
 
 # ------------------------------------------------------------------ the reference
@@ -273,7 +279,7 @@ def reference_step(ref: nn.Module, s: EngineSettings, world: int, seed: int, ste
         total = 0.0
         for r in range(world):
             x, y = _batch(seed, s.zero_stage, step, m, r)
-            loss = _loss(model, x.to(dtype), y)
+            loss = _loss(model, x.to(dtype), y, s.loss_multiplier)
             grads = torch.autograd.grad(loss, list(used.values()), allow_unused=True)
             per_slice[r].append({n: (g.double() if g is not None else torch.zeros_like(p, dtype=torch.float64))
                                  for (n, p), g in zip(used.items(), grads)})
@@ -353,7 +359,7 @@ def run(ctx, row: Row, opts) -> list:
                 x, y = _batch(opts.seed, s.zero_stage, step, m, r)
                 if s.precision == "bf16":
                     x = x.to(torch.bfloat16)
-                loss = _loss(engine, x, y)
+                loss = _loss(engine, x, y, s.loss_multiplier)
                 engine.backward(loss)
                 total = loss.detach().double().clone()
                 dist.all_reduce(total)

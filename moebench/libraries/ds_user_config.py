@@ -18,6 +18,9 @@ VERIFIED_ZERO_STAGES = (0, 1, 2)
 """The ZeRO stages the engine rows run: DeepSpeed's own MoE refuses stage 3 ("MoE not supported with Stage 3")."""
 STAGE_3_STANDIN = 2
 """Stage 3 is verified at stage 2: the nearest stage that also partitions the gradients and the optimizer state."""
+BINDING_CLIP = 0.05
+"""A gradient_clipping that binds at every step on the engine rows' small model: its unclipped global norm
+is 0.15-0.4 (measured). The default matrix's clip rows use it (ds_engine.CLIP)."""
 DEFAULTS: dict[str, Any] = {"zero_stage": 0, "clip": 0.0, "grad_accum": 1, "precision": "fp32"}
 """DeepSpeed's own defaults for a key the file does not set (no ZeRO, no clipping, one micro-step, fp32)."""
 OPTIMIZER_WHY = ("Adam divides each step by the gradient's own running size, so a gradient scaled "
@@ -63,6 +66,12 @@ def read_user_config(path: str) -> tuple[dict[str, Any], list[str]]:
     clip = _number(user, "gradient_clipping", path, kind=float, low=0.0, notes=notes)
     if clip is not None:
         settings["clip"] = float(clip)
+        multiplier = clip_loss_multiplier(float(clip))
+        if multiplier > 1:
+            notes.append(f"gradient_clipping {clip:g}: the small model's gradient norm (0.15-0.4) never reaches "
+                         f"it, so each row multiplies its loss by {multiplier:g}, engine and reference alike: "
+                         f"your clip then binds at every step, as on a real model (clipping at {clip:g} with "
+                         f"the loss x {multiplier:g} is clipping at {BINDING_CLIP:g} with the loss as it is)")
     accum = _number(user, "gradient_accumulation_steps", path, kind=int, low=1, notes=notes)
     if accum is not None:
         settings["grad_accum"] = accum
@@ -80,6 +89,13 @@ def read_user_config(path: str) -> tuple[dict[str, Any], list[str]]:
     if others:
         notes.append(f"not passed on (DeepSpeed's defaults are used): {', '.join(others)}")
     return settings, notes
+
+
+def clip_loss_multiplier(clip: float) -> float:
+    """What a row multiplies its loss by (engine and reference alike) so that a user's gradient_clipping binds
+    on the small model: clip / BINDING_CLIP when the clip is larger than that, else 1. An unclipped norm below
+    the clip would make the clip row vacuous (a wrong global norm could not change the update)."""
+    return clip / BINDING_CLIP if clip > BINDING_CLIP else 1.0
 
 
 def verified_line(settings: dict[str, Any]) -> str:

@@ -20,7 +20,7 @@ import ds_faults  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 DS_API_PARAMS = ("zero_stage", "ep_size", "grad_accum", "clip", "precision", "top_k", "drop_tokens",
-                 "use_residual", "steps")
+                 "use_residual", "steps", "loss_multiplier")
 
 
 def _rows(world_size: int, keys: list[str]) -> dict[str, dict]:
@@ -65,6 +65,9 @@ def test_a_user_config_gives_one_plain_row_per_ep_size():
     rows = ADAPTER.rows(4, user_config={"zero_stage": 2, "clip": 1.0, "grad_accum": 4, "precision": "fp32"})
     assert [dict(r.params)["ep_size"] for r in rows] == [4, 2, 1]
     assert all(dict(r.params)["zero_stage"] == 2 and dict(r.params)["grad_accum"] == 4 for r in rows)
+    assert all(dict(r.params)["loss_multiplier"] == 20 for r in rows)  # clip 1.0 binds on the small model
+    small = ADAPTER.rows(2, user_config={"zero_stage": 0, "clip": 0.05, "grad_accum": 1, "precision": "fp32"})
+    assert all(dict(r.params)["loss_multiplier"] == 1 for r in small)
     assert [r.key() for r in rows][0] == "deepspeed/engine/zero2/ep=4/w4/ds-config"
 
 

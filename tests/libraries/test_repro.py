@@ -208,6 +208,9 @@ FAULT_CASES = [
     # norms, each over its own experts, not by the norm of every parameter counted once.
     (None, dict(zero_stage=0, ep_size=2, world_size=2, clip=0.05), 1,
      "  (1.033): the global gradient norm or the clip coefficient differs. The engine"),
+    # the same through a user's --ds-config clip of 1.0: the script multiplies the loss as the row did
+    (None, dict(zero_stage=0, ep_size=2, world_size=2, clip=1.0, loss_multiplier=20.0), 1,
+     "clip 1 binds at every step"),
 ]
 
 
