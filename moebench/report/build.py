@@ -339,7 +339,9 @@ def _library_blocks(run: collect.Run | None, out: Path) -> list[Block]:
     if png:
         blocks.append(Figure(png, "Per row (library/model/backend/EP mode/world size), the largest |difference| "
                                   "over its allowed difference (log scale), coloured by verdict: blue passed, red "
-                                  "failed; a row passes below 1. Skipped rows compared nothing and are not drawn."))
+                                  "failed; a row passes below 1; inf: a difference where equality was required. "
+                                  "Not drawn: skipped and refused rows (nothing compared) and bf16 rows (judged by "
+                                  "a noise model, not a tolerance)."))
     return blocks
 
 
