@@ -363,16 +363,27 @@ CAUSE_WORDS = {"stage": ("stage",), "experts": ("expert", "ep_size", "ep size")}
 """Words by which a refusal message names the real cause (checked case-insensitively)."""
 
 
-def refusal_sentence(spec: Spec, message: str) -> str:
-    """DeepSpeed's first line, then whether it names the real cause."""
-    first = next((line.strip() for line in message.splitlines() if line.strip()), message.strip())[:300]
+def _first_line(message: str) -> str:
+    return next((line.strip() for line in message.splitlines() if line.strip()), message.strip())[:300]
+
+
+def refusal_sentence(spec: Spec, message: str, control: str | None = None) -> str:
+    """DeepSpeed's first line, then whether it names the real cause. `control`: what loading the same checkpoint
+    at its SAVE layout gave, for a row whose load layout differs ("" it loaded, else DeepSpeed's refusal; None not
+    tried): when that is refused too, the cause is not the change of layout (an old release that cannot read
+    checkpoints under this torch, say) and the sentence says so instead of blaming the layout."""
+    first = _first_line(message)
     cause = real_cause(spec)
     if not cause:
         return f"DeepSpeed refused the load: {first}"
+    if control:
+        return (f"DeepSpeed refused the load: {first} (the same checkpoint is refused at its save layout too: "
+                f"{_first_line(control)}; so the refusal is not about the change of layout)")
     words = CAUSE_WORDS["stage" if spec.load_zero_stage != spec.zero_stage else "experts"]
     named = any(w in first.lower() for w in words)
+    evidence = "; it loads at its save layout" if control == "" else ""
     return (f"DeepSpeed refused the load: {first} (the message {'names' if named else 'does not name'} "
-            f"the real cause: {cause})")
+            f"the real cause: {cause}{evidence})")
 
 
 def _agree(error: str | None) -> str | None:
@@ -475,15 +486,15 @@ def _resume(ctx, spec: Spec, seed: int, folder: str) -> list[Comparison]:
                universal=spec.universal)
     b_rank, b_local = _ep_rank(spec.load_ep_size), EXPERTS_PER_RANK * w // spec.load_ep_size
     fresh = by_unit(state_of(b, spec.load_zero_stage), b_rank, b_local)
-    try:
-        b.load_checkpoint(folder, tag=None if spec.universal else TAG,
-                          load_optimizer_states=spec.load_optimizer_states)
-        error = None
-    except Exception as exc:  # noqa: BLE001 - a refusal is the row's verdict
-        error = f"{type(exc).__name__}: {exc}"
-    error = _agree(error)
+    error = _load(b, spec, folder)
     if error:
-        raise Refused(refusal_sentence(spec, error))
+        # a load in another layout refused: does the same checkpoint load at its save layout? (the control)
+        control = None
+        if real_cause(spec):
+            saved = _build(ctx, spec, ep=spec.ep_size, stage=spec.zero_stage, seed=seed + FRESH_SEED_OFFSET,
+                           universal=spec.universal)
+            control = _load(saved, spec, folder) or ""
+        raise Refused(refusal_sentence(spec, error, control))
     got = by_unit(state_of(b, spec.load_zero_stage), b_rank, b_local)
     quantities = [restore.WEIGHTS] + ([restore.FP32_MASTER] if spec.load_zero_stage else [])
     if spec.load_optimizer_states:
@@ -511,6 +522,17 @@ def _resume(ctx, spec: Spec, seed: int, folder: str) -> list[Comparison]:
         for name, p in _global_params(b, b_rank, b_local, gather=False).items():
             out.append(compare(f"continued step {i + 1}: {name}", p, a_params[i][name], tol, world_size=w))
     return out
+
+
+def _load(engine, spec: Spec, folder: str) -> str | None:
+    """`load_checkpoint` on every rank: None, or the first rank's refusal (every rank agrees on it)."""
+    try:
+        engine.load_checkpoint(folder, tag=None if spec.universal else TAG,
+                               load_optimizer_states=spec.load_optimizer_states)
+        error = None
+    except Exception as exc:  # noqa: BLE001 - a refusal is the row's verdict
+        error = f"{type(exc).__name__}: {exc}"
+    return _agree(error)
 
 
 def _against_one_process(ctx, spec: Spec, seed: int, a_losses, a_params) -> list[Comparison]:

@@ -70,6 +70,13 @@ def test_refusal_says_whether_the_message_names_the_real_cause():
     assert "(the message names the real cause" in ds_resume.refusal_sentence(spec, "ValueError: 4 experts per rank")
     stage = ds_resume.Spec(zero_stage=0, ep_size=4, load_ep_size=4, load_zero_stage=1)
     assert "the ZeRO stage differs (saved at 0, loaded at 1)" in ds_resume.refusal_sentence(stage, "FileNotFoundError")
+    # the control load at the save layout: it loaded (the evidence), or it was refused too (not the layout)
+    assert ds_resume.refusal_sentence(spec, blames, "").endswith("2 at the load); it loads at its save layout)")
+    old_release = "UnpicklingError: Weights only load failed. This file can still be loaded\nmore"
+    assert ds_resume.refusal_sentence(spec, old_release, old_release) == (
+        "DeepSpeed refused the load: UnpicklingError: Weights only load failed. This file can still be loaded (the "
+        "same checkpoint is refused at its save layout too: UnpicklingError: Weights only load failed. This file "
+        "can still be loaded; so the refusal is not about the change of layout)")
 
 
 @pytest.mark.multirank
@@ -82,6 +89,7 @@ def test_a_clean_resume_passes_and_a_refused_load_is_its_own_verdict(monkeypatch
     assert refused["diagnosis"].startswith("refused: DeepSpeed refused the load: ValueError: loaded state dict "
                                            "contains a parameter group")
     assert "does not name the real cause" in refused["diagnosis"]
+    assert refused["diagnosis"].endswith("; it loads at its save layout)")  # the control load says so
     assert summary["status"] == "ok" and summary["counts"] == {"pass": 1, "fail": 0, "skip": 0, "refused": 1}
     names = {c["name"] for c in summary["checks"][0]["comparisons"]}
     for quantity in ("weights", "fp32 master", "exp_avg", "exp_avg_sq", "step"):
