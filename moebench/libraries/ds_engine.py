@@ -352,6 +352,7 @@ def run(ctx, row: Row, opts) -> list:
             base_step = reference_step(master, s, w, opts.seed, step, compute=half) if half is not None else None
             asserted = base_step is None  # bf16: per element for information; judged by the noise model
             before = {n: p.detach().double().clone() for n, p in names.items()}
+            masters = _fp32_masters(names) if base_step is not None else None
             step_out: list = []
             reduced: dict[str, torch.Tensor] = {}
             losses = []
@@ -391,6 +392,10 @@ def run(ctx, row: Row, opts) -> list:
                 wrong |= set() if step_out[-1].passed or not asserted else {("grad", gname[n])}
             if base_step is not None:
                 step_out.append(_noise_model(tag, reduced, gname, ref_step, base_step, s, w))
+                after = _fp32_masters(names)
+                if masters and after:  # the update the optimizer applied, on its float32 master weights
+                    applied = {n: after[n] - masters[n] for n in after}
+                    step_out.append(_noise_model(tag, applied, gname, ref_step, base_step, s, w, what=UPDATE))
             norm = None
             if s.clip > 0 and s.zero_stage > 0 and getattr(engine, "get_global_grad_norm", lambda: None)() is not None:
                 norm = (float(engine.get_global_grad_norm()), ref_step.norm)
@@ -437,18 +442,40 @@ def run(ctx, row: Row, opts) -> list:
     return out
 
 
-def _noise_model(tag: str, reduced: dict, gname: dict, ref_step: RefStep, base_step: RefStep, s: EngineSettings,
-                 world: int):
+GRADIENT = "reduced gradient"
+UPDATE = "applied update (fp32 masters)"
+"""What a bf16 row's noise model judges: the reduced gradient DeepSpeed reports (`safe_get_full_grad`) and the
+update its optimizer applied to the float32 master weights (`safe_get_full_fp32_param`, after - before)."""
+
+
+def _noise_model(tag: str, tensors: dict, gname: dict, ref_step: RefStep, base_step: RefStep, s: EngineSettings,
+                 world: int, what: str = GRADIENT):
     """The bf16 judgement (moebench.parity.noise): whole-model relative L2 distance of the reduced gradient
-    from float32, this engine's (every parameter once: replicated ones weighted 1/W, experts ep/W, summed
-    over ranks) against the one-process bf16 baseline's."""
+    (or the applied update) from float32, this engine's (every parameter once: replicated ones weighted 1/W,
+    experts ep/W, summed over ranks) against the one-process bf16 baseline's."""
     from moebench.parity import noise
 
-    run = sum((noise.sums([(g, ref_step.grad[gname[n]])], (s.ep_size if group(gname[n]) == "experts" else 1) / world)
-               for n, g in reduced.items()), torch.zeros(3, dtype=torch.float64))
+    ref = ref_step.grad if what == GRADIENT else ref_step.update
+    base = base_step.grad if what == GRADIENT else base_step.update
+    run = sum((noise.sums([(t, ref[gname[n]])], (s.ep_size if group(gname[n]) == "experts" else 1) / world)
+               for n, t in tensors.items()), torch.zeros(3, dtype=torch.float64))
     dist.all_reduce(run)
-    baseline = noise.sums((base_step.grad[n], e) for n, e in ref_step.grad.items())
-    return noise.judge(tag, "reduced gradient", run, baseline)
+    return noise.judge(tag, what, run, noise.sums((base[n], e) for n, e in ref.items()))
+
+
+def _fp32_masters(names: dict) -> dict[str, torch.Tensor] | None:
+    """Each parameter's float32 master weight (bf16 optimizers keep one); None where this release cannot say."""
+    try:
+        from deepspeed.utils import safe_get_full_fp32_param
+    except ImportError:
+        return None
+    out = {}
+    for n, p in names.items():
+        master = safe_get_full_fp32_param(p)
+        if master is None:
+            return None
+        out[n] = master.detach().double().clone()
+    return out
 
 
 def _bf16_supported_or_skip(s: EngineSettings) -> None:

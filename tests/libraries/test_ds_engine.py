@@ -91,6 +91,46 @@ def test_a_clip_that_does_not_bind_is_named_as_such_not_as_a_wrong_step():
     assert finding["sentence"].endswith("the clip does not bind: the row would be vacuous")
 
 
+def _bf16_view(grad_scale: dict[str, float], update_passed: bool | None) -> ds_mechanisms.StepView:
+    """A bf16 row's first failing step: each group's reported gradient is the reference's x its factor (plus
+    bf16-sized noise); the noise model's gradient judgement failed, its applied-update judgement as given."""
+    import torch
+
+    from moebench.parity.compare import assertion
+
+    g = torch.Generator().manual_seed(0)
+    names = {"experts": "moe.moe.deepspeed_moe.experts.deepspeed_experts.0.weight",
+             "gate": "moe.moe.deepspeed_moe.gate.wg.weight", "dense": "inp.weight"}
+    grads = {}
+    for group, factor in grad_scale.items():
+        e = torch.randn(8, 8, generator=g, dtype=torch.float64)
+        grads[names[group]] = (factor * e * (1 + 1e-3 * torch.randn(8, 8, generator=g, dtype=torch.float64)), e)
+    comparisons = [assertion("ZeRO 0, step 1: bf16 noise model: reduced gradient's distance from fp32 6.55e+04 <= "
+                             "4 x bf16 on one process (0.00377)", False, note="ratio 1.74e+07")]
+    if update_passed is not None:
+        comparisons.append(assertion("ZeRO 0, step 1: bf16 noise model: applied update (fp32 masters)'s distance "
+                                     "from fp32 0.005 <= 4 x bf16 on one process (0.004)", update_passed))
+    sizes = ds_mechanisms.GroupSizes(world=2, dp=2, ep=2, edp=1, grad_accum=1)
+    return ds_mechanisms.StepView(settings={}, sizes=sizes, step=1, rank=0, comparisons=comparisons, grads=grads,
+                                  updates={}, afters={}, wrong=set(), norm=None, per_slice=[], ref_grad={})
+
+
+def test_a_bf16_loss_scale_left_in_the_reported_gradient_is_named_and_says_whether_training_is_right():
+    """DeepSpeed 0.17.6-0.18.0 at ZeRO 0 in bf16 report every gradient x 65536 (a loss scale of 2^16 that
+    their backward applies and their step undoes: deepspeedai/DeepSpeed#7837, fixed by #7839). The groups'
+    factors differ by bf16 noise (65439 to 65570): one factor within FIT_RTOL of each other, relatively."""
+    view = _bf16_view({"experts": 65438.9, "gate": 65531.2, "dense": 65569.8}, update_passed=True)
+    finding = ds_mechanisms.analyse(view)
+    assert finding["name"] == "loss-scale", finding
+    assert "every reduced gradient scaled by 6.55e+04 (bf16)" in finding["sentence"]
+    assert finding["sentence"].endswith("so the training is right and only the gradient DeepSpeed reports "
+                                        "(safe_get_full_grad) is wrong")
+    wrong_update = ds_mechanisms.analyse(_bf16_view({"experts": 65536.0, "gate": 65536.0, "dense": 65536.0}, False))
+    assert wrong_update["name"] == "loss-scale" and "training is right" not in wrong_update["sentence"]
+    experts_only = ds_mechanisms.analyse(_bf16_view({"experts": 2.0, "gate": 1.0, "dense": 1.0}, None))
+    assert experts_only["name"] == "expert-grad-scale" and "scaled by 2" in experts_only["sentence"]
+
+
 # ------------------------------------------------------------------ the pinned release (multirank)
 
 
