@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from moebench.libraries.base import Row
-from moebench.parity.compare import EXACT, Comparison, Tolerance, compare
+from moebench.parity.compare import EXACT, Comparison, Tolerance, assertion, compare
 from moebench.parity.registry import Refused
 
 SAVE_STEPS = 2
@@ -248,19 +248,28 @@ def _zero_full(engine, p, key: str | None) -> torch.Tensor:
     return buf.view_as(p)
 
 
+def _step_of(value: Any) -> torch.Tensor:
+    """Adam's step as [its value, how many elements hold it]: a scalar on every correct path. An elastic load of
+    DeepSpeed 0.19.0 restores it as a tensor of several elements (merged from the ranks' states): that shows as
+    a wrong step here, not as a crash of the reader. Absent: [0, 1] (Adam's initial state)."""
+    if value is None:
+        return torch.tensor([0.0, 1.0], dtype=torch.float64)
+    flat = torch.as_tensor(value).detach().reshape(-1).double()
+    return torch.tensor([float(flat.max()) if flat.numel() else 0.0, float(flat.numel())], dtype=torch.float64)
+
+
 def _zero_step(engine, p) -> torch.Tensor:
-    """ZeRO 1/2: the Adam step of the partition(s) holding `p` (max over its group; 0 with no state)."""
+    """ZeRO 1/2: the Adam step of the partition(s) holding `p` (`_step_of`; max over its group)."""
     import torch.distributed as dist
 
     opt = engine.optimizer
-    step = torch.zeros(1, dtype=torch.float64)
+    value = None
     m = getattr(p, "_hp_mapping", None)
     if m is not None:
         flat = opt.single_partition_of_fp32_groups[m.param_group_index]
         value = opt.optimizer.state.get(flat, {}).get("step")
-        if value is not None:
-            step[0] = float(value)
-    dist.all_reduce(step, op=dist.ReduceOp.MAX, group=p._dp_group)
+    step = _step_of(value)
+    dist.all_reduce(step, op=dist.ReduceOp.MAX, group=p._dp_group)  # every rank the same shape: never a hang
     return step
 
 
@@ -277,7 +286,7 @@ def state_of(engine, stage: int) -> dict[str, dict[str, torch.Tensor]]:
             st = opt.state.get(p, {}) if hasattr(opt, "state") else {}
             s[restore.EXP_AVG] = st.get("exp_avg", torch.zeros_like(p)).detach().clone().float()
             s[restore.EXP_AVG_SQ] = st.get("exp_avg_sq", torch.zeros_like(p)).detach().clone().float()
-            s[restore.STEP] = torch.tensor([float(st.get("step", 0))], dtype=torch.float64)
+            s[restore.STEP] = _step_of(st.get("step"))
         else:
             s[restore.FP32_MASTER] = _zero_full(engine, p, None)
             s[restore.EXP_AVG] = _zero_full(engine, p, "exp_avg")
@@ -517,7 +526,13 @@ def _resume(ctx, spec: Spec, seed: int, folder: str) -> list[Comparison]:
     if not spec.load_optimizer_states:
         return out  # B continues with a fresh Adam: the uninterrupted run is no reference for that
     for i, step in enumerate(range(k, k + m)):
-        loss = _train(b, seed, range(step, step + 1), r, w)[0]
+        try:
+            loss = _train(b, seed, range(step, step + 1), r, w)[0]
+        except Exception as exc:  # noqa: BLE001 - a resumed run that cannot train is the row's finding
+            # (0.19.0's elastic load restores Adam's step as two elements: torch's Adam raises on it)
+            out.append(assertion(f"continued step {i + 1}: trains", False,
+                                 note=f"raised {type(exc).__name__}: {_first_line(str(exc))}"))
+            return out
         out.append(compare(f"continued step {i + 1}: loss", loss, a_losses[i], tol, world_size=w))
         for name, p in _global_params(b, b_rank, b_local, gather=False).items():
             out.append(compare(f"continued step {i + 1}: {name}", p, a_params[i][name], tol, world_size=w))

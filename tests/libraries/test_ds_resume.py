@@ -235,3 +235,21 @@ def test_a_run_whose_rows_were_all_refused_is_not_a_pass():
     summary = {"counts": {"pass": 0, "fail": 0, "skip": 1, "refused": 2}, "checks": []}
     assert no_check_ran(summary) == "no check passed: 2 refused by the library, the rest skipped"
     assert no_check_ran({"counts": {"pass": 1, "fail": 0, "skip": 0, "refused": 2}, "checks": []}) == ""
+
+
+def test_adams_step_is_read_whatever_shape_a_release_restores_it_in():
+    """torch's Adam keeps `step` as a 0-dim tensor, DeepSpeed's FusedAdam as a float in the param group; an
+    elastic load of DeepSpeed 0.19.0 restored it as a tensor of several elements. The reader gives every rank a
+    same-shaped value (a collective follows it: a crash on one rank hung the others for the gloo timeout), and a
+    step spread over two elements differs from the uninterrupted run's scalar one."""
+    import torch
+
+    from moebench.parity import restore
+
+    assert ds_resume._step_of(torch.tensor(2.0)).tolist() == [2.0, 1.0]
+    assert ds_resume._step_of(2).tolist() == [2.0, 1.0] and ds_resume._step_of(None).tolist() == [0.0, 1.0]
+    merged = ds_resume._step_of(torch.tensor([2.0, 2.0]))
+    assert merged.tolist() == [2.0, 2.0]
+    slot = restore.Slot(rank=0, local=0, unit=0)
+    assert restore.identify(slot, restore.STEP, merged, {0: ds_resume._step_of(torch.tensor(2.0))}).state != \
+        restore.RIGHT
