@@ -150,3 +150,25 @@ def test_a_release_whose_zero_step_raises_on_cpu_fails_every_zero_1_and_2_row(re
               if r["model"] == "engine" and r["zero_stage"] in (1, 2)}
     assert len(zero12) == 22
     assert _failures(rows, ZERO_FLATTEN_RELEASE) == {**CLIP_NORM_FINDING, **zero12}
+
+
+ZERO2_ACCUM_RELEASE = "0.17.6"
+"""0.17.6 - 0.18.2: ZeRO 2 drops every micro-step's gradient but the last at the accumulation boundary
+(deepspeedai/DeepSpeed#7718, "Incorrect gradient computation in ZeRO-2 with DeepSpeed >= 0.17.6", fixed in
+0.18.3); the same releases report bf16 gradients at ZeRO 0 x 65536, a loss scale of 2^16 left in what
+safe_get_full_grad returns (deepspeedai/DeepSpeed#7837, fixed by #7839). Measured on 0.17.6 and 0.18.0."""
+
+
+def test_a_release_that_drops_micro_steps_at_zero_2_is_named_by_its_accumulation_boundary(release, tmp_path):
+    rows = _run(release(ZERO2_ACCUM_RELEASE), tmp_path)
+    accum = {f"engine/zero2/ep={e}/w2/grad-accum": "accum-boundary" for e in (2, 1)}
+    loss_scale = {f"engine/zero0/ep={e}/w2/bf16": "loss-scale" for e in (2, 1)}
+    assert _failures(rows, ZERO2_ACCUM_RELEASE) == {**CLIP_NORM_FINDING, **accum, **loss_scale}
+    for r in rows:
+        key = r["check"].removeprefix("deepspeed/")
+        if key in accum:
+            assert "first divergence at ZeRO 2, step 1" in r["diagnosis"]
+            assert "is micro-step 2's gradient alone (the other micro-steps' never reached the reduction)" \
+                in r["diagnosis"], r["diagnosis"]
+        if key in loss_scale:
+            assert "every reduced gradient scaled by 6.55e+04 (bf16)" in r["diagnosis"], r["diagnosis"]
