@@ -90,7 +90,7 @@ class EngineSettings:
     small model's gradient norm binds this way (ds_user_config.clip_loss_multiplier)."""
 
     def features(self) -> tuple[str, ...]:
-        """The row's features : () plain, else each setting that is not the default."""
+        """The row's features: () plain, else each setting that is not the default."""
         out = []
         if self.grad_accum > 1:
             out.append("grad-accum")
