@@ -261,9 +261,8 @@ def _bf16_finding(v: StepView, noise_failed, tag: str) -> dict[str, Any]:
                         f"expert gradients scaled by {k:.3g} (bf16; dense and gate right within the noise): "
                         + ("; ".join(why) or "no group size of this row gives it") + training, f"{tag}, experts",
                         scale=k, explanations=why)
-    if scaled and set(scaled) == present and \
-            max(scaled.values()) - min(scaled.values()) <= noise.FIT_RTOL * max(scaled.values()):
-        k = sum(scaled.values()) / len(scaled)
+    k = noise.common_factor(scaled)
+    if k is not None and set(scaled) == present:
         return _finding("reduced gradient", "loss-scale",
                         f"every reduced gradient scaled by {k:.3g} (bf16): the loss scale (or 1/grad_accum) is not "
                         "undone, or undone twice" + training, f"{tag}, all groups", scale=k)

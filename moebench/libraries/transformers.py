@@ -574,9 +574,8 @@ def _bf16_diagnosis(groups: dict, baseline: dict, judged, world_size: int) -> di
 
     present = {g for g, s in groups.items() if s[2] > 0}
     scaled, right = noise.scaled_groups({g: groups[g] for g in present}, baseline)
-    if scaled and max(scaled.values()) - min(scaled.values()) <= noise.FIT_RTOL * max(scaled.values()) \
-            and right == present - set(scaled):
-        k = next(iter(scaled.values()))
+    k = noise.common_factor(scaled)
+    if k is not None and right == present - set(scaled):
         integer = round(k) if round(k) >= 2 and abs(k - round(k)) <= noise.FIT_RTOL * k else None
         why = f": summed instead of averaged over {world_size} ranks (the world size)" if integer == world_size else ""
         rest = f" ({', '.join(GROUP_WORDS[g] for g in sorted(right))} right within the noise)" if right else ""

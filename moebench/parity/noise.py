@@ -79,6 +79,14 @@ def scaled_groups(groups: dict[str, torch.Tensor], baseline: dict[str, torch.Ten
     return scaled, right
 
 
+def common_factor(scaled: dict[str, float]) -> float | None:
+    """The one factor every scaled group shares (their mean), when they agree within FIT_RTOL of it relatively;
+    None when there is no scaled group or they disagree."""
+    if not scaled or max(scaled.values()) - min(scaled.values()) > FIT_RTOL * max(scaled.values()):
+        return None
+    return sum(scaled.values()) / len(scaled)
+
+
 def judge(tag: str, what: str, run: torch.Tensor, baseline: torch.Tensor, *, rank: int | None = None) -> Comparison:
     """The noise-model assertion: the run's distance (from its sums) within BF16_NOISE_RATIO x the baseline's."""
     d_run, d_base = distance(run), distance(baseline)
