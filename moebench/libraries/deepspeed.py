@@ -56,23 +56,6 @@ PRELOAD = (
 4.4 s engine row at W = 4 (measured on 0.19.8). Forked ranks inherit them from the parent."""
 
 
-def _has_module(name: str) -> bool:
-    """Whether this release has the module `name`, read off the files without importing anything (importing
-    DeepSpeed before the run sets DS_ACCELERATOR would make it probe, and log, its accelerator)."""
-    top, *parts = name.split(".")
-    spec = importlib.util.find_spec(top)  # a top-level name: found, not imported
-    folders = [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
-    if spec is None or not parts:
-        return spec is not None
-    for i, part in enumerate(parts):
-        last = i == len(parts) - 1
-        packages = [f / part for f in folders if (f / part / "__init__.py").is_file()]
-        if last and (packages or any((f / f"{part}.py").is_file() for f in folders)):
-            return True
-        folders = packages
-    return False
-
-
 def source_version(package_dir: Path) -> str | None:
     """The version a DeepSpeed source tree says it is, without importing it: the `version='...'` line
     its build writes into git_version_info_installed.py, else its version.txt."""
@@ -112,10 +95,8 @@ class DeepSpeed(InstalledLibrary):
     dist_name = "deepspeed"
     catches = "DeepSpeed expert parallelism (its MoE layer or its engine) that differs from ep_size = 1"
 
-    @property
-    def preload(self) -> tuple[str, ...]:
-        """Imported once in the parent before each row's ranks fork: of PRELOAD, what this release has."""
-        return tuple(m for m in PRELOAD if _has_module(m))
+    preload = PRELOAD
+    """Imported once in the parent before each row's ranks fork (of it, what this release has: moebench.preload)."""
 
     def version(self) -> str | None:
         """The version of the DeepSpeed that `import deepspeed` loads: the distribution's metadata when

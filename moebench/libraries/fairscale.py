@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moebench.libraries.base import InstalledLibrary, Row
-from moebench.parity.compare import SEED_ALLCLOSE_DEFAULT, STRICT, compare, pick
+from moebench.parity.compare import SEED_ALLCLOSE_DEFAULT, STRICT, compare, of_terms, pick
 from moebench.parity.diagnose import mispaired_scores, no_backward_exchange, rank_local
 from moebench.parity.registry import SkipCheck
 
@@ -225,7 +225,9 @@ def run(ctx, opts, per_rank: int, moe_layer_cls, gate_cls) -> list:
         # The output first: a forward bug is named from it (a scalar loss only ever fits a scale).
         results.append(compare(prefix + "output", y.detach(), y_ref[r].detach(), tol, asserted=asserted,
                                alternatives={"scores mispaired": mispaired_scores(mispaired)}))
-        results.append(compare(prefix + "loss", loss.detach(), losses[r].detach(), tol, asserted=asserted))
+        terms = float((y_ref[r] * weights[r]).abs().mean())  # the loss is a mean of products of both signs
+        results.append(compare(prefix + "loss", loss.detach(), losses[r].detach(), of_terms(tol, terms),
+                               asserted=asserted))
         results.append(compare(prefix + "input grad", x.grad, big_x.grad[r] * w, tol, asserted=asserted,
                                alternatives=wrong_input))
         for name, p in layer.named_parameters():

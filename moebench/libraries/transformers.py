@@ -461,7 +461,7 @@ def _run(ctx, row: Row, opts) -> list:
     import torch.distributed as dist
 
     from moebench.parity import diagnose
-    from moebench.parity.compare import SEED_ALLCLOSE_DEFAULT, STRICT, assertion, compare, pick
+    from moebench.parity.compare import SEED_ALLCLOSE_DEFAULT, STRICT, assertion, compare, of_terms, pick
     from moebench.parity.diagnose import unrouted_slots
 
     tol, asserted = pick(opts.tolerance, strict=STRICT, seed=SEED_ALLCLOSE_DEFAULT)
@@ -485,7 +485,7 @@ def _run(ctx, row: Row, opts) -> list:
 
     opt = torch.optim.SGD(par.parameters(), lr=LR, foreach=False)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, foreach=False)
-    curve, ref_curve = [], []
+    curve, ref_curve, terms = [], [], 0.0
     for step in range(STEPS):
         x_all, t_all = _batch(opts.seed, step, w)
         x = x_all[rows].clone().requires_grad_(True)
@@ -496,6 +496,7 @@ def _run(ctx, row: Row, opts) -> list:
         yr = ref(xr)
         ref_loss = (yr * t_all).sum() / t_all[..., 0].numel()  # mean over every token of the global batch
         ref_loss.backward()
+        terms = max(terms, float((yr.detach() * t_all).abs().sum() / t_all[..., 0].numel()))  # of both signs
         total = loss.detach().clone()
         if not shared:  # the global loss: the mean over ranks of the rank losses
             dist.all_reduce(total)
@@ -543,7 +544,8 @@ def _run(ctx, row: Row, opts) -> list:
         ref_opt.step()
         opt.zero_grad(set_to_none=True)
         ref_opt.zero_grad(set_to_none=True)
-    cmp(f"loss curve ({STEPS} SGD steps)", torch.tensor(curve), torch.tensor(ref_curve))
+    out.append(compare(f"loss curve ({STEPS} SGD steps)", torch.tensor(curve), torch.tensor(ref_curve),
+                       of_terms(tol, terms), rank=r, asserted=asserted, world_size=w))
     for name, p in par.named_parameters():
         if name in experts:
             local = _local(p.detach())

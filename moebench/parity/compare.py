@@ -60,6 +60,19 @@ STRICT = Tolerance(rtol=STRICT_RTOL, atol_fraction=STRICT_ATOL_FRACTION,
 # lr 1e-3 the worst measured drift is 1.2e-7 on parameters of size ~0.6 (9 ranks).
 STRICT_ADAM = Tolerance(rtol=1e-5, atol_fraction=1e-5,
                         source="strict: 1e-5 relative, atol 1e-5 x largest |expected| (Adam, 10 steps)")
+# A scalar that is a mean of terms of both signs (a loss such as mean(y * w)) can cancel to 1e-5 of its terms,
+# while float32 sums it with an error of ~1e-7 of the terms: a floor relative to the cancelled result fails on a
+# machine whose kernels sum in another order (fairscale's W = 4 loss: 1.2e-5, off by 1.4e-9). `of_terms` gives
+# such a scalar its floor from the terms' mean magnitude instead.
+
+
+def of_terms(tol: Tolerance, terms_magnitude: float) -> Tolerance:
+    """`tol` for a scalar that is a mean of terms whose mean |term| is `terms_magnitude`: the absolute floor
+    (atol_fraction) scales with the terms, not with the cancelled result; rtol is unchanged."""
+    return dataclasses.replace(tol, atol_abs=tol.atol_abs + tol.atol_fraction * terms_magnitude,
+                               source=f"{tol.source}; floor from the mean |term| ({terms_magnitude:.3g})")
+
+
 # Exact equality: state_dict copies and broadcasts must be bit-identical.
 EXACT = Tolerance(rtol=0.0, atol_abs=0.0, source="exact equality")
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import math
 import os
 import platform
@@ -30,6 +29,7 @@ from moebench.errors import Interrupted, UserError
 from moebench.parity.compare import TOLERANCE_MODES, Comparison
 from moebench.parity.diagnose import summarise
 from moebench.parity.registry import Check, CheckOptions, Refused, SkipCheck, all_checks, load_all, parse_impls, select
+from moebench.preload import import_present
 from moebench.results import STATUS_FAILED, STATUS_INTERRUPTED, STATUS_OK, RunDir
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -302,8 +302,7 @@ def run_checks(config: ParityConfig, *, on_record: Callable[[CheckRecord], None]
                                  description=check.description, catches=check.catches,
                                  world_size=size, elapsed_s=0.0, reason=reason, labels=dict(check.labels))
         else:
-            for module in check.preload:
-                importlib.import_module(module)
+            import_present(check.preload)  # only what the installed release has; a broken one is the rows' error
             timeout_s = check.timeout_s or config.timeout_s
             opts = CheckOptions(
                 tolerance=config.tolerance,

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from helpers.procsignals import wait_for_handlers
 
 pytestmark = pytest.mark.faults
 
@@ -37,7 +38,8 @@ class Command:
     name: str
     args: tuple[str, ...]
     window: tuple[float, float]
-    """Seconds after the start between which the signal is sent (about the command's lifetime here)."""
+    """Seconds after moebench's handlers are in place between which the signal is sent (about the command's
+    lifetime here)."""
     kind: str
     """The results folder the command writes: results/<kind>/<run-id>/."""
 
@@ -86,6 +88,7 @@ def trial(command: Command, sig: int, offset: float, root: Path, inputs: Path | 
     env = {**os.environ, "MOEBENCH_RESULTS": str(root), "MOEBENCH_SOAK_TRIAL": marker}
     proc = subprocess.Popen([sys.executable, "-m", "moebench", *command.args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for_handlers(proc)  # offsets count from there: before it, Python's start-up (test_signals.py)
     time.sleep(offset)
     sent = proc.poll() is None
     if sent:
@@ -101,11 +104,7 @@ def trial(command: Command, sig: int, offset: float, root: Path, inputs: Path | 
     written = sorted(set(root.glob(f"{command.kind}/*")) - before) if root.exists() else []
     statuses = [json.loads((run / "summary.json").read_text())["status"] if (run / "summary.json").exists()
                 else "no summary.json" for run in written]
-    if sent and code == -sig:
-        # Before moebench's first line ran (Python's own start-up): the default action, nothing written.
-        if written:
-            problems.append(f"killed by the signal's default action with {written} written")
-    elif code == 130:
+    if code == 130:
         if statuses not in ([], ["interrupted"]):
             problems.append(f"exit 130 with summary {statuses}")
         if written and str(written[0].absolute()) not in err:

@@ -58,10 +58,9 @@ def _rank(ctx, rows: list[Row], opts: CheckOptions) -> list:
 
 def run_rows(rows: list[Row], world_size: int, seed: int = 0) -> list[RowResult]:
     """Every row on `world_size` ranks in one launch; raises LaunchError when a rank fails or hangs."""
-    import importlib
+    from moebench.preload import import_present
 
-    for module in ADAPTER.preload:  # imported once here, inherited by the forked ranks
-        importlib.import_module(module)
+    import_present(ADAPTER.preload)  # imported once here, inherited by the forked ranks
 
     result = check(launch(_rank, world_size, args=(rows, CheckOptions(seed=seed)), backend="gloo",
                           timeout_s=ROW_DEADLINE_S * max(1, len(rows)), label="transformers rows"))

@@ -7,61 +7,24 @@ diagnosis the tool gives there (docs/libraries.md lists the findings and their u
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.releases import cli, side_install
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
-CACHE = Path(os.environ.get("MOEBENCH_TEST_CACHE", Path.home() / ".cache" / "moebench-test"))
-"""Where the releases are installed once and reused (delete a folder to reinstall it)."""
-PIP_TIMEOUT_S = 300.0
-"""pip downloads and builds a DeepSpeed sdist in seconds; minutes mean the registry is unreachable."""
-CLI_TIMEOUT_S = 900.0
-"""The first import of a fresh --target copy compiles its .pyc files (~1 min on 2 busy cores); the rows
-themselves take seconds."""
 OLDEST_RUNNING = "0.14.4"
 """The oldest release that imports and builds MoE(...) here (torch 2.13 CPU): 0.14.0 needs
 intel_extension_for_pytorch for its CPU accelerator, 0.14.3 imports a torch API torch 2.13 removed."""
 
 
-def _install(version: str) -> Path:
-    """The folder holding deepspeed==version (installed on first use); skips when pip cannot get it."""
-    target = CACHE / f"deepspeed-{version}"
-    if (target / "deepspeed" / "__init__.py").is_file():
-        return target
-    partial = CACHE / f".deepspeed-{version}.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--target", str(partial),
-                               "--no-deps", f"deepspeed=={version}"], capture_output=True, text=True,
-                              timeout=PIP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pytest.skip(f"pip could not install deepspeed=={version} within {PIP_TIMEOUT_S:.0f} s")
-    if done.returncode != 0:
-        last = ([line for line in done.stderr.splitlines() if line.strip()] or ["?"])[-1]
-        pytest.skip(f"pip could not install deepspeed=={version}: {last.strip()}")
-    partial.rename(target)
-    return target
-
-
 @pytest.fixture(scope="session")
 def release():
-    """release(version) -> the folder to put first on PYTHONPATH."""
-    return _install
-
-
-def _cli(folder: Path, *args: str, results: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": f"{folder}{os.pathsep}{REPO}", "MOEBENCH_RESULTS": str(results)}
-    return subprocess.run([sys.executable, "-m", "moebench", "verify-parity", *args], env=env, text=True,
-                          capture_output=True, timeout=CLI_TIMEOUT_S)
+    """release(version) -> the folder holding deepspeed==version, to put first on PYTHONPATH."""
+    return lambda version: side_install(f"deepspeed-{version}", [f"deepspeed=={version}"], "deepspeed/__init__.py")
 
 
 def _rows(done: subprocess.CompletedProcess) -> list[dict]:
@@ -70,7 +33,7 @@ def _rows(done: subprocess.CompletedProcess) -> list[dict]:
 
 
 def test_releases_before_the_boundary_say_why_they_cannot_run(release, tmp_path):
-    done = _cli(release("0.14.0"), "--list", results=tmp_path)
+    done = cli(release("0.14.0"), "--list", results=tmp_path)
     block = " ".join(done.stdout.split("libraries (verify-parity --library NAME):")[1].split())
     assert "deepspeed 0.14.0 no does not import here: ValueError: CPU_Accelerator requires " \
            "intel_extension_for_pytorch" in block, block
@@ -94,7 +57,7 @@ def _failures(rows: list[dict], version: str) -> dict[str, str]:
 
 
 def _run(folder: Path, tmp_path: Path) -> list[dict]:
-    return _rows(_cli(folder, "--library", "deepspeed", "-n", "2", "--json", results=tmp_path))
+    return _rows(cli(folder, "--library", "deepspeed", "-n", "2", "--json", results=tmp_path))
 
 
 CLIP_NORM_FINDING = {"engine/zero0/ep=2/w2/clip": "global-norm"}
@@ -121,7 +84,7 @@ def test_oldest_running_release_finds_expert_updates_scaled_by_the_world_size_at
             assert "actual = 2 x expected everywhere" in r["diagnosis"], r["diagnosis"]
             assert f"first divergence at ZeRO {r['zero_stage']}, step 1, experts" in r["diagnosis"], r["diagnosis"]
     # the old check says the same
-    checks = json.loads(_cli(release(OLDEST_RUNNING), "-n", "2", "--checks", "deepspeed-moe-ep,deepspeed-engine-ep",
+    checks = json.loads(cli(release(OLDEST_RUNNING), "-n", "2", "--checks", "deepspeed-moe-ep,deepspeed-engine-ep",
                              "--json", results=tmp_path).stdout)["checks"]
     assert {c["name"]: c["status"] for c in checks} == {"deepspeed-moe-ep": "pass", "deepspeed-engine-ep": "fail"}
     assert next(c for c in checks if c["status"] == "fail")["diagnosis"]["details"]["scales"] == [2]

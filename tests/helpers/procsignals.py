@@ -1,0 +1,41 @@
+"""When moebench owns SIGINT and SIGTERM in a process the test started: read off the kernel, no marker printed.
+
+moebench installs its handlers for both signals at the first line of `moebench.entry.main`, SIGINT then SIGTERM
+(moebench/signals.py). Python itself catches SIGINT from its own start-up on but never SIGTERM, so the moment
+/proc/<pid>/status lists SIGTERM among the caught signals (SigCgt) both of moebench's handlers are in place."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+POLL_S = 0.001
+
+
+def handlers_installed(pid: int) -> bool | None:
+    """Whether moebench's handlers are in place in process `pid` (None: the process is gone or a zombie)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    if re.search(r"^State:\s*Z", status, re.MULTILINE):
+        return None
+    caught = int(re.search(r"^SigCgt:\s*([0-9a-fA-F]+)", status, re.MULTILINE).group(1), 16)
+    return bool(caught & (1 << (signal.SIGTERM - 1)))
+
+
+def wait_for_handlers(proc: subprocess.Popen, timeout_s: float = 60.0) -> float:
+    """Seconds until `proc` (a moebench command) has its handlers in place; fails the test if it ends first
+    or takes longer than `timeout_s`."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        state = handlers_installed(proc.pid)
+        if state:
+            return time.monotonic() - start
+        if state is None or proc.poll() is not None:
+            raise AssertionError(f"the command ended (exit {proc.poll()}) before moebench installed its handlers")
+        time.sleep(POLL_S)
+    raise AssertionError(f"moebench's signal handlers were not installed within {timeout_s:.0f} s")
