@@ -225,7 +225,7 @@ def run(ctx, opts, per_rank: int, moe_layer_cls, gate_cls) -> list:
         # The output first: a forward bug is named from it (a scalar loss only ever fits a scale).
         results.append(compare(prefix + "output", y.detach(), y_ref[r].detach(), tol, asserted=asserted,
                                alternatives={"scores mispaired": mispaired_scores(mispaired)}))
-        terms = float((y_ref[r] * weights[r]).abs().mean())  # the loss is a mean of products of both signs
+        terms = float((y_ref[r].detach() * weights[r]).abs().mean())  # the loss: a mean of products of both signs
         results.append(compare(prefix + "loss", loss.detach(), losses[r].detach(), of_terms(tol, terms),
                                asserted=asserted))
         results.append(compare(prefix + "input grad", x.grad, big_x.grad[r] * w, tol, asserted=asserted,
