@@ -1,23 +1,22 @@
-"""Is the CPU shared right now? Samples of what *other* processes use, a thread policy from them,
-and the warning a timed run carries when the machine was busy.
+"""Is the CPU shared right now? Samples of what *other* processes use, and the warning a timed run carries
+when the machine was busy.
 
-Measured on 2 cores (quick fastmoe, steady tokens/s, median of 3; the machine also carried other
-users' load): torch's default of 2 intra-op threads ran at 26,600 tok/s idle and 5,500 with one
-busy process beside it (4.9x slower: OpenMP's threads wait for each other while one of them is
-descheduled); 1 thread ran at 24,800 and 26,600; OMP_WAIT_POLICY=PASSIVE at 6,900 and 15,800. So a
-one-process run takes as many threads as there are cores nobody else is using (`threads_for`).
+A one-process run takes every usable core as its intra-op threads, whatever the load: the thread count
+changes float32 results (a reduction split over 1 or 2 threads sums in another order: the quick DeepSpeed
+preset's loss at step 10 read 1.8749785 with 1 thread, 1.8749788 with 2), so a count chosen from the load at
+the start made the same seed give other numbers on a busy machine. What the load costs instead is time, and
+the run says so: measured on 2 cores (quick fastmoe, steady tokens/s, median of 3), 2 threads ran at 26,600
+tok/s idle and 5,500 with one busy process beside it (OpenMP's threads wait for each other while one of them
+is descheduled); 1 thread at 24,800 and 26,600. `OMP_NUM_THREADS` (or taskset) sets the count, when a user
+prefers speed on a loaded machine to numbers comparable with an idle run's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 
-BUSY_SAMPLE_S = 0.25
-"""How long the start-of-run sample watches the CPU: long enough to see a process that is busy
-(a scheduler tick is 4 ms), short next to any run."""
 BUSY_CORE_FRACTION = 0.5
 """Other processes using at least half a core on average take that core away from our threads: at
 one busy process the default 2 threads ran 4.9x slower (module doc); half a core is where a core
@@ -72,18 +71,10 @@ def others_between(a: CpuSample, b: CpuSample) -> dict:
             "load1_start": round(a.load1, 2), "load1_end": round(b.load1, 2), "seconds": round(wall, 2)}
 
 
-def busy_now(seconds: float = BUSY_SAMPLE_S) -> float:
-    """Cores other processes keep busy, watched for `seconds` (this process sleeps meanwhile)."""
-    first = sample()
-    time.sleep(seconds)
-    return others_between(first, sample())["others_cores"]
-
-
-def threads_for(usable_cores: int, others_cores: float) -> int:
-    """Intra-op threads for a one-process run: the cores nobody else is using, at least 1.
-    A core counts as taken once others use BUSY_CORE_FRACTION of one."""
-    taken = math.floor(others_cores + (1.0 - BUSY_CORE_FRACTION))
-    return max(1, min(usable_cores, usable_cores - taken))
+def threads_for(usable_cores: int) -> int:
+    """Intra-op threads for a one-process run: every usable core (the same count at every run on this machine,
+    so the same seed gives the same numbers; see the module docstring)."""
+    return max(1, usable_cores)
 
 
 def busy_warning(machine: dict, cores: int) -> str | None:

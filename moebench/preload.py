@@ -10,7 +10,7 @@ import is left alone here: the ranks import it themselves and the row reports th
 from __future__ import annotations
 
 import importlib
-import importlib.util
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Iterable
 
@@ -20,7 +20,7 @@ def has_module(name: str) -> bool:
     (importing DeepSpeed before a run sets DS_ACCELERATOR makes it probe, and log, its accelerator)."""
     top, *parts = name.split(".")
     try:
-        spec = importlib.util.find_spec(top)  # a top-level name: found, not imported
+        spec = find_spec(top)  # a top-level name: found, not imported
     except (ImportError, ValueError):
         return False
     if spec is None or not parts:

@@ -251,10 +251,10 @@ def execute_run(
 
 @contextlib.contextmanager
 def machine_watched(one_process: bool):
-    """Around the timed part of a run: the CPU sampled at both ends; a one-process run takes as many
-    intra-op threads as there are cores nobody else is using (moebench/contention.py has the
-    measurements), restored afterwards. Yields the dict summary.json records under "machine":
-    what other processes used meanwhile, the threads, and a `warning` (None on a quiet machine)."""
+    """Around the timed part of a run: the CPU sampled at both ends; a one-process run takes every usable core
+    as its intra-op threads, whatever the load (moebench/contention.py: the count changes the numbers), restored
+    afterwards. Yields the dict summary.json records under "machine": what other processes used meanwhile, the
+    threads, and a `warning` (None on a quiet machine)."""
     import torch
 
     from moebench import contention
@@ -264,8 +264,7 @@ def machine_watched(one_process: bool):
     machine: dict[str, Any] = {}
     before = torch.get_num_threads()
     if one_process:
-        machine["others_cores_at_start"] = contention.busy_now()
-        torch.set_num_threads(contention.threads_for(cores, machine["others_cores_at_start"]))
+        torch.set_num_threads(contention.threads_for(cores))
     machine["threads"] = torch.get_num_threads() if one_process else None  # ranks: set by the launcher
     start = contention.sample()
     try:

@@ -228,14 +228,14 @@ def _fake_launch(seen):
 def test_sigterm_outside_a_launch_records_interrupted(tmp_path, monkeypatch):
     """SIGTERM while the parent preloads a check's modules (no launch running): exit 130, the
     saved status is "interrupted" (not "running"), and the previous SIGTERM handler is back."""
-    from moebench.parity import runner as parity_runner
+    from moebench import preload
 
     def sigterm_during_import(name):
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(10)  # the handler raises KeyboardInterrupt in here
         raise AssertionError("SIGTERM did not interrupt the preload")
 
-    monkeypatch.setattr(parity_runner, "importlib", types.SimpleNamespace(import_module=sigterm_during_import))
+    monkeypatch.setattr(preload, "importlib", types.SimpleNamespace(import_module=sigterm_during_import))
     before = signal.getsignal(signal.SIGTERM)
     result = runner.invoke(app, ["verify-parity", "-n", "2", "--checks", "ddp-sgd", "--results-dir", str(tmp_path)])
     assert result.exit_code == 130, result.output
