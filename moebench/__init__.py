@@ -5,7 +5,7 @@ The Python API (docs/api.md), each returning what its command prints with `--jso
 `moebench.env_check(...)`. They are imported on first use: `import moebench` loads no torch.
 """
 
-__version__ = "0.1.0"
+from moebench.version import __version__
 
 _API = ("run", "verify_parity", "env_check")
 __all__ = ["__version__", *_API]

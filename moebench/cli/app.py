@@ -11,9 +11,10 @@ import typer
 # typer >= 0.29 vendors click; its usage errors live here (pyproject pins typer>=0.29)
 from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
 
-from moebench import __version__, bounds, signals
+from moebench import bounds, signals
 from moebench.cli.help import CONTEXT_SETTINGS, WholeSentenceGroup
 from moebench.errors import RunFailed, UserError
+from moebench.version import __version__
 
 PEER_REFUSAL_GRACE_S = 3.0
 """A rank other than 0 that refuses bad input waits this long before exiting, so that rank 0,

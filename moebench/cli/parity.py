@@ -24,9 +24,9 @@ def _check_names() -> list[str]:
 
 
 def _library_names_known() -> list[str]:
-    from moebench.libraries.registry import ADAPTERS
+    from moebench.libraries.registry import known
 
-    return list(ADAPTERS)
+    return list(known())
 
 
 BOUNDS = {
@@ -38,6 +38,8 @@ BOUNDS = {
     "--impl": Text(what="KEY=package.module:attribute", pattern=r"[a-z-]+=[A-Za-z_][\w.]*:[A-Za-z_][\w.]*"),
     "--ds-config": Path(folder=False, must_exist=True),
     "--repro": Path(folder=True, writable=True),
+    "--adapter": Text(what="package.module:ATTRIBUTE", pattern=r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*"),
+    "--row": Text(what="row key or glob", pattern=r"[^\s,]+"),
 }
 """verify-parity's own valued options (the shared ones carry their config field's bound)."""
 
@@ -46,7 +48,7 @@ def _list(as_json: bool) -> None:
     import dataclasses
 
     from moebench.libraries import registry as libraries
-    from moebench.libraries.table import library_list
+    from moebench.libraries.records import library_list
     from moebench.parity.registry import IMPORT_ERRORS, all_checks
 
     checks = all_checks()
@@ -193,7 +195,7 @@ def _print_table(summary: dict) -> None:
 
 
 def _print_library_table(summary: dict) -> None:
-    from moebench.libraries.table import conformance
+    from moebench.libraries.records import conformance
 
     typer.echo(f"verify-parity --library: {len(summary['rows'])} row(s), {summary['comm_backend']}, "
                f"tolerance {summary['tolerance']}")
@@ -205,42 +207,17 @@ def _print_library_table(summary: dict) -> None:
     typer.echo(f"saved to {summary['run_path']}")
 
 
-def _ds_config(path: str, library: Optional[str], checks: Optional[str]) -> tuple[str, dict, dict]:
-    """--ds-config: (the --library value it implies, user_configs, the summary's "ds_config")."""
-    import os
-
-    from moebench.libraries.ds_user_config import read_user_config
-
-    if checks is not None:
-        raise UserError("verifies the DeepSpeed engine rows, not checks; drop --checks or --ds-config",
-                        flag="--ds-config")
-    if library is not None and "deepspeed" not in _library_names(library):
-        raise UserError("verifies DeepSpeed's rows; add deepspeed to --library or drop --ds-config",
-                        flag="--ds-config")
-    settings, notes = read_user_config(path)
-    return library or "deepspeed", {"deepspeed": settings}, {
-        "ds_config": {"path": os.path.abspath(path), "settings": settings, "notes": notes}}
-
-
 def _print_notes(path: str, ds_config: dict) -> None:
     import os
     import textwrap
 
-    from moebench.libraries.ds_user_config import verified_line
-    from moebench.libraries.table import WIDTH
+    from moebench.libraries.deepspeed.user_config import verified_line
+    from moebench.libraries.records import WIDTH
 
     typer.echo(f"--ds-config {os.path.basename(path)[:WIDTH - 12]}:")  # the whole path is in summary.json
     for note in (verified_line(ds_config["settings"]), *ds_config["notes"]):
         typer.echo("\n".join(textwrap.wrap(note, WIDTH, initial_indent="  ", subsequent_indent="    ",
                                            break_on_hyphens=False)))
-
-
-def _library_names(library: Optional[str]) -> list[str]:
-    names = list(dict.fromkeys(n.strip() for n in (library or "").split(",") if n.strip()))
-    if not names:
-        raise UserError("names no library; give one or more (see --list), e.g. --library fairscale",
-                        flag="--library")
-    return names
 
 
 EXAMPLES = """Examples:
@@ -252,6 +229,8 @@ EXAMPLES = """Examples:
       --impl experts=soft_moe_pytorch.soft_moe:Experts
   moebench verify-parity --library fairscale,transformers
   moebench verify-parity --library deepspeed --resume -n 4
+  moebench verify-parity --library deepspeed -n 2 --row 'deepspeed/engine/zero0/*/clip'
+  moebench verify-parity --adapter my_pkg.moe_adapter:ADAPTER -n 2
   moebench verify-parity --list"""
 
 
@@ -309,21 +288,32 @@ def verify_parity(
         "and another layout, continue; vs the uninterrupted run). A load the library refuses is verdict "
         "'refused' (its message), which does not fail the run.",
     ),
+    adapter: Optional[str] = flags.bounded_option(
+        None, "--adapter", bound=BOUNDS["--adapter"], metavar="MOD:ATTR",
+        help="Verify your own MoE: run the rows of your adapter object (package.module:ATTRIBUTE, written against "
+        "moebench.libraries.spec; docs/adding-a-library.md) like a built-in library's.",
+    ),
+    row: List[str] = flags.bounded_option(
+        [], "--row", bound=BOUNDS["--row"], metavar="KEY",
+        help="With --library or --adapter: run only the rows whose key matches (shell glob; repeatable), e.g. "
+        "--row 'deepspeed/engine/zero0/ep=2/w2/clip'.",
+    ),
 ) -> None:
     """Run the parity checks: exit 0 when all ran passed, 1 when any failed or none ran, 2 on bad input."""
     if list_checks:
         _list(as_json)
         return
-    if library is not None and checks is not None:
-        raise UserError("runs the library rows, not checks; drop --checks or --library", flag="--library")
-    user_configs, summary_extra = None, None
-    if ds_config is not None:
-        library, user_configs, summary_extra = _ds_config(ds_config, library, checks)
-    if repro is not None and library is None:
-        raise UserError("writes scripts for failing library rows; add --library NAME", flag="--repro")
-    if resume and library is None:
-        raise UserError("adds resume rows to a library's matrix; give --library NAME too, e.g. --library deepspeed",
-                        flag="--resume")
+    rows_asked = library is not None or adapter is not None or ds_config is not None
+    if rows_asked and checks is not None:
+        flag = "--library" if library is not None else "--adapter" if adapter is not None else "--ds-config"
+        raise UserError("runs the library rows, not checks; drop --checks or " + flag, flag=flag)
+    needs_rows = (("--repro", repro is not None, "writes scripts for failing library rows; add --library NAME"),
+                  ("--resume", resume, "adds resume rows to a library's matrix; give --library NAME too, e.g. "
+                                       "--library deepspeed"),
+                  ("--row", bool(row), "selects library rows; give --library NAME (or --adapter) too"))
+    for flag, given, why in needs_rows:
+        if given and not rows_asked:
+            raise UserError(why, flag=flag)
     import contextlib
     import functools
 
@@ -338,11 +328,22 @@ def verify_parity(
     check_root(results_dir, "parity")
     if is_launched_rank() and ctx.get_parameter_source("world_size").name == "COMMANDLINE":
         require_launched_world(world_size)  # torchrun's WORLD_SIZE decides: a flag saying otherwise is refused
-    if library is None:
+    if not rows_asked:
         require_ranks_fit(4 if world_size is None else world_size)
     config = parity_config(world_size=4 if world_size is None else world_size, checks=checks, timeout_s=timeout,
                            comm_backend=backend_old or comm_backend, tolerance=tolerance, impls=impl,
                            debug_collectives=debug_collectives, seed=seed)
+    execute = run
+    if rows_asked:  # the library rows instead of the checks, through the same runner
+        from moebench.libraries import verify
+
+        request = verify.LibraryRequest(
+            libraries=verify.names_of(library) if library is not None else (), adapter=adapter,
+            world_size=world_size, ds_config=ds_config, resume=resume, repro=repro, rows=tuple(row))
+        prepared = verify.prepare(request, results_dir)
+        execute = functools.partial(verify.run, prepared)
+        if prepared.summary_extra.get("ds_config") and _is_printer() and not as_json:
+            _print_notes(ds_config, prepared.summary_extra["ds_config"])
 
     def progress(record) -> None:
         if _is_printer() and not as_json:
@@ -351,22 +352,9 @@ def verify_parity(
     # --json: stdout carries the one document; whatever else writes there (DeepSpeed's warnings
     # at import in this process, C++ prints) goes to stderr for the whole run.
     quiet_stdout = stdout_to_stderr() if as_json else contextlib.nullcontext()
-    execute = run
-    if library is not None:  # the library rows instead of the checks, through the same runner
-        from moebench.libraries.runner import DEFAULT_WORLD_SIZES, config_fields, verify_libraries
-
-        names = _library_names(library)
-        sizes = DEFAULT_WORLD_SIZES if world_size is None else (world_size,)
-        require_ranks_fit(max(sizes))
-        execute = functools.partial(verify_libraries, names, sizes, config_fields=config_fields(config),
-                                    user_configs=user_configs, summary_extra=summary_extra,
-                                    repro_dir=repro, resume=resume)
-        if summary_extra and _is_printer() and not as_json:
-            _print_notes(ds_config, summary_extra["ds_config"])
     try:
         with quiet_stdout:
-            summary = execute(config, results_dir=results_dir, on_record=progress) if library is None else \
-                execute(results_dir=results_dir, on_record=progress)
+            summary = execute(config, results_dir=results_dir, on_record=progress)
     except KeyboardInterrupt as exc:
         if _is_printer():
             from moebench import signals
@@ -376,7 +364,7 @@ def verify_parity(
     if _is_printer():
         if as_json:
             typer.echo(json.dumps(_jsonable(summary), indent=2))
-        elif library is not None:
+        elif rows_asked:
             _print_library_table(summary)
             from moebench.libraries.repro import lines as repro_lines
 

@@ -6,7 +6,6 @@ import datetime
 import socket
 import time
 
-from moebench import __version__
 from moebench.envcheck import (
     capabilities,
     comm,
@@ -19,6 +18,7 @@ from moebench.envcheck import (
 )
 from moebench.envcheck import probe as collective_probe
 from moebench.envcheck.check import Check, Report, require_probe_timeout
+from moebench.version import __version__
 
 DEFAULT_PROBE_TIMEOUT_S = 30.0
 """The probe takes ~0.1 s on gloo; 30 s leaves room for a slow NCCL init before a hang is declared."""

@@ -1,7 +1,12 @@
-"""Which library adapters exist, as data, loaded defensively.
+"""Which library adapters exist, as data, loaded defensively: the built-in ones, the ones installed packages
+register, and a user's own (`--adapter`).
 
-`ADAPTERS` maps a library's name to "module:attribute" of its adapter (base.Adapter). An adapter
-module that is missing or fails to import never breaks `--list` or the other libraries: its error
+- `BUILTIN` maps a library's name to "module:attribute" of its adapter (spec.Adapter).
+- An installed package registers adapters through the entry-point group `moebench.adapters` (name =
+  "module:attribute"), as pytest plugins do; they show in `--list` and run with `--library NAME`. A name a
+  built-in adapter already has is not taken over (`--list` says so).
+- `--adapter pkg.mod:ATTR` names one adapter object directly (`load_user`).
+An adapter module that is missing or fails to import never breaks `--list` or the other libraries: its error
 is kept in IMPORT_ERRORS and reported as that library's one-line why-not.
 """
 
@@ -9,35 +14,68 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.metadata
 import traceback
 
 from moebench.errors import UserError
-from moebench.libraries.base import Adapter
+from moebench.libraries.spec import Adapter, problems
 
-ADAPTERS = {
+BUILTIN = {
     "transformers": "moebench.libraries.transformers:ADAPTER",
     "fairscale": "moebench.libraries.fairscale:ADAPTER",
     "deepspeed": "moebench.libraries.deepspeed:ADAPTER",
     "torchtitan": "moebench.libraries.torchtitan:ADAPTER",
 }
 """Library name -> its adapter object ("module:attribute")."""
+ENTRY_POINT_GROUP = "moebench.adapters"
+"""The entry-point group through which installed packages register adapters."""
 
 IMPORT_ERRORS: dict[str, str] = {}
-"""Library name -> the traceback of its adapter module's failed import."""
+"""Library name -> the traceback of its adapter module's failed import (or why it was not taken)."""
 _loaded: dict[str, Adapter] = {}
 
 
+def plugins() -> dict[str, str]:
+    """Adapters installed packages register (entry points of ENTRY_POINT_GROUP): name -> "module:attribute"."""
+    try:
+        found = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+    except Exception:  # noqa: BLE001 - broken metadata of some package must not break moebench
+        return {}
+    return {ep.name: ep.value for ep in sorted(found, key=lambda ep: ep.name)}
+
+
+def known() -> dict[str, str]:
+    """Every adapter by name: the built-in ones, then the installed packages' (a clashing name stays built-in)."""
+    extra = {n: v for n, v in plugins().items() if n not in BUILTIN}
+    return {**BUILTIN, **extra}
+
+
+def _import(target: str):
+    module, _, attr = target.partition(":")
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def load(name: str) -> Adapter | None:
-    """The adapter of `name` (None when its module does not import; see IMPORT_ERRORS)."""
+    """The adapter of `name` (None when it does not import or is no Adapter; see IMPORT_ERRORS)."""
     if name not in _loaded and name not in IMPORT_ERRORS:
-        module, _, attr = ADAPTERS[name].partition(":")
+        target = known()[name]
+        module = target.partition(":")[0]
         try:
-            _loaded[name] = getattr(importlib.import_module(module), attr)
+            adapter = _import(target)
         except ModuleNotFoundError as exc:
-            IMPORT_ERRORS[name] = (f"ModuleNotFoundError: no adapter in this moebench ({module})" if exc.name == module
+            IMPORT_ERRORS[name] = (f"ModuleNotFoundError: no adapter module {module}" if exc.name == module
                                    else traceback.format_exc())
         except Exception:  # noqa: BLE001 - one broken adapter must not break the others
             IMPORT_ERRORS[name] = traceback.format_exc()
+        else:
+            if isinstance(adapter, Adapter) and adapter.name == name:
+                _loaded[name] = adapter
+            else:
+                what = f"named {adapter.name!r}" if isinstance(adapter, Adapter) else f"a {type(adapter).__name__}"
+                IMPORT_ERRORS[name] = f"TypeError: {target} is {what}, not the Adapter named {name!r}"
     return _loaded.get(name)
 
 
@@ -52,31 +90,35 @@ class Status:
     why_not: str | None
     """One line: why it cannot run here (None: it can)."""
     extra: str
-    """Its pip extra."""
+    """Its pip extra ("" for an installed package's adapter)."""
+    source: str = "built-in"
+    """"built-in", or the entry point ("module:attribute") an installed package registered."""
 
 
 def status(name: str) -> Status:
     adapter = load(name)
+    source = "built-in" if name in BUILTIN else known()[name]
     if adapter is None:
         last = IMPORT_ERRORS[name].strip().splitlines()[-1]
         return Status(name=name, version=None, why_not=f"adapter did not import: {last.partition(': ')[2] or last}",
-                      extra=name)
+                      extra=name if name in BUILTIN else "", source=source)
     try:
         version, why_not = adapter.version(), adapter.unavailable()
     except Exception as exc:  # noqa: BLE001 - probing a library must not break --list
         version, why_not = None, f"probe failed: {type(exc).__name__}: {exc}"
-    return Status(name=name, version=version, why_not=why_not, extra=adapter.extra)
+    return Status(name=name, version=version, why_not=why_not, extra=adapter.extra, source=source)
 
 
 def statuses() -> list[Status]:
-    return [status(name) for name in ADAPTERS]
+    return [status(name) for name in known()]
 
 
 def require(names: list[str]) -> list[Adapter]:
     """The adapters of `names` (--library), each able to run here; else one UserError line."""
-    unknown = [n for n in names if n not in ADAPTERS]
+    every = known()
+    unknown = [n for n in names if n not in every]
     if unknown:
-        raise UserError(f"unknown library {', '.join(unknown)}; one of {', '.join(ADAPTERS)} "
+        raise UserError(f"unknown library {', '.join(unknown)}; one of {', '.join(every)} "
                         "(see `moebench verify-parity --list`)", flag="--library")
     adapters = []
     for name in names:
@@ -85,3 +127,31 @@ def require(names: list[str]) -> list[Adapter]:
             raise UserError(f"{name} cannot run here: {st.why_not}", flag="--library")
         adapters.append(load(name))
     return adapters
+
+
+USER_CHECK_TIMEOUT_S = 120.0
+"""How long importing and checking a user's adapter (--adapter) may take in its child process."""
+
+
+def load_user(target: str, *, world_size: int, timeout_s: float = USER_CHECK_TIMEOUT_S) -> Adapter:
+    """--adapter pkg.mod:ATTR: the user's adapter, first imported and checked against the protocol in a child
+    process (an import that hangs, exits or raises cannot take the command with it), then imported here.
+    Anything wrong is one UserError line naming --adapter."""
+    from moebench.parity.registry import import_problem
+
+    if ":" not in target or not all(target.partition(":")[::2]):
+        raise UserError(f"expected package.module:ATTRIBUTE, got {target[:80]!r}", flag="--adapter")
+
+    def check(obj) -> str:
+        found = problems(obj, world_size)
+        return f"does not meet the adapter protocol: {found[0]}" + (f" (and {len(found) - 1} more)"
+                                                                    if len(found) > 1 else "") if found else ""
+
+    problem = import_problem(target, timeout_s, validate=check)
+    if problem:
+        raise UserError(f"{target} {problem} (docs/adding-a-library.md)", flag="--adapter")
+    adapter = _import(target)
+    if adapter.name in known():
+        raise UserError(f"{target} is named {adapter.name!r}, which `--library {adapter.name}` already runs; "
+                        "give your adapter a name of its own", flag="--adapter")
+    return adapter

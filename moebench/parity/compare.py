@@ -120,6 +120,9 @@ class Comparison:
     note: str = ""
     diagnosis: dict | None = None
     """For a failed numeric comparison: {name, sentence, details} naming the bug class (diagnose.py)."""
+    group: str = ""
+    """The parameter group compared (diagnosis.GROUPS), set where the comparison is made; "" leaves it to the
+    built-in checks' naming convention (diagnose.group_of)."""
 
     def __post_init__(self) -> None:
         if not self.asserted:
@@ -144,18 +147,29 @@ def _to_tensor(x: Any) -> torch.Tensor:
 
 def compare(name: str, actual: Any, expected: Any, tol: Tolerance, *, rank: int | None = None,
             asserted: bool = True, expect_equal: bool = True, note: str = "", world_size: int | None = None,
-            alternatives: dict[str, Any] | None = None) -> Comparison:
+            alternatives: dict[str, Any] | None = None, group: str = "") -> Comparison:
     """Compare `actual` against `expected` (the reference). `expect_equal=False` asserts they DIFFER.
 
     A failed (or, unasserted, out-of-tolerance) equality gets a `diagnosis` (diagnose.py); `alternatives`
-    are tensors a known-wrong implementation would produce (e.g. {"local slice": ...}), named on a match."""
+    are tensors a known-wrong implementation would produce (e.g. {"local slice": ...}), named on a match.
+    `world_size` (default: the initialised process group's) names a scale of exactly the world size as such;
+    `group` is the parameter group compared (diagnosis.GROUPS)."""
     c = _compare(name, actual, expected, tol, rank=rank, asserted=asserted, expect_equal=expect_equal, note=note)
+    c.group = group
     if expect_equal and not c.passed:
         from moebench.parity.diagnose import diagnose
 
-        c.diagnosis = diagnose(actual, expected, atol=c.atol or 0.0, rtol=tol.rtol, world_size=world_size,
+        c.diagnosis = diagnose(actual, expected, atol=c.atol or 0.0, rtol=tol.rtol,
+                               world_size=world_size if world_size is not None else _world_size(),
                                alternatives=alternatives)
     return c
+
+
+def _world_size() -> int | None:
+    """The initialised default process group's size (every rank function runs inside one), else None."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
 
 
 def _compare(name: str, actual: Any, expected: Any, tol: Tolerance, *, rank: int | None,
@@ -186,9 +200,9 @@ def _compare(name: str, actual: Any, expected: Any, tol: Tolerance, *, rank: int
 
 
 def assertion(name: str, passed: bool, *, rank: int | None = None, kind: str = "equal", note: str = "",
-              asserted: bool = True) -> Comparison:
+              asserted: bool = True, group: str = "") -> Comparison:
     """A non-numeric assertion (keys equal, an exception raised with the right message)."""
-    return Comparison(name=name, passed=bool(passed), rank=rank, kind=kind, note=note, asserted=asserted)
+    return Comparison(name=name, passed=bool(passed), rank=rank, kind=kind, note=note, asserted=asserted, group=group)
 
 
 def pick(mode: str, *, strict: Tolerance, seed: Tolerance | None) -> tuple[Tolerance, bool]:

@@ -36,6 +36,23 @@ from typing import Any
 
 import torch
 
+from moebench.parity.diagnosis import (
+    FAILED_ASSERTION,
+    GROUPS,
+    MISSING_BACKWARD_EXCHANGE,
+    NON_FINITE,
+    PARTIAL,
+    RANK_LOCAL,
+    ROWS_PERMUTED,
+    SCORES_MISPAIRED,
+    SHAPE,
+    UNEXPLAINED,
+    UNIFORM_SCALE,
+    UNROUTED_SLOTS,
+    ZERO,
+    make,
+)
+
 # A fitted scale c explains the numbers when |actual - c * expected| stays within this fraction of
 # max |actual| everywhere. Summation-order noise is ~1e-7 of the magnitude (compare.py); 1e-4 leaves
 # 1000x margin and is still far below what a partly wrong tensor leaves (>= 1e-2 in every case seen).
@@ -54,12 +71,7 @@ ROW_MATCH_SLACK = 10.0
 # At most this many indices are named in a sentence (the details keep all of them).
 MAX_NAMED = 8
 
-RANK_LOCAL = "rank-local"
-MISSING_BACKWARD_EXCHANGE = "missing-backward-exchange"
-SCORES_MISPAIRED = "scores-mispaired"
-UNROUTED_SLOTS = "unrouted-slots"
 
-GROUPS = ("output", "input gradient", "gate/router", "experts", "replicated")
 FIRST_DIVERGENCE = "first_divergence"
 """A check that knows its own causal order (stage, step, gradient before update) marks the diagnosis
 of its first divergence with this detail set True and puts that comparison first; `summarise` then
@@ -82,10 +94,6 @@ def _names(idx: list, what: str = "row") -> str:
     return f"{what}{'s' if len(idx) > 1 else ''} {shown}{more}"
 
 
-def _d(name: str, sentence: str, **details) -> dict[str, Any]:
-    return {"name": name, "sentence": sentence, "details": details}
-
-
 def integer_scale(c: float, world_size: int | None = None) -> tuple[int | None, str]:
     """(N, why) when c or 1/c is within SCALE_INTEGER_RTOL of an integer N >= 2, else (None, "")."""
     for value, summed in ((c, True), (1.0 / c if c else math.inf, False)):
@@ -105,7 +113,7 @@ def diagnose(actual: Any, expected: Any, *, atol: float, rtol: float, world_size
     `alternatives`: label -> tensor, or label -> (tensor, what would give it[, diagnosis name[, its cause]])."""
     a, e = _t(actual), _t(expected)
     if a.shape != e.shape:
-        return _d("shape", f"shape {tuple(a.shape)} instead of {tuple(e.shape)}",
+        return make(SHAPE, f"shape {tuple(a.shape)} instead of {tuple(e.shape)}",
                   actual_shape=list(a.shape), expected_shape=list(e.shape))
     for which, t in (("actual", a), ("expected", e)):
         bad = ~torch.isfinite(t)
@@ -113,12 +121,12 @@ def diagnose(actual: Any, expected: Any, *, atol: float, rtol: float, world_size
             flat = int(bad.flatten().nonzero()[0])
             pos = [int(i) for i in torch.unravel_index(torch.tensor(flat), t.shape)] if t.ndim else []
             kind = "NaN" if bool(torch.isnan(t).any()) else "Inf"
-            return _d("non-finite", f"{kind} in the {which} result, first at index {tuple(pos)} "
+            return make(NON_FINITE, f"{kind} in the {which} result, first at index {tuple(pos)} "
                       f"({int(bad.sum())} of {t.numel()} elements)", tensor=which, first_index=pos,
                       count=int(bad.sum()), numel=t.numel())
     magnitude = float(e.abs().max()) if e.numel() else 0.0
     if a.numel() and bool((a == 0).all()) and magnitude > 0:
-        return _d("zero", "all zeros: no gradient reached it (detached, or a backward that returns nothing)",
+        return make(ZERO, "all zeros: no gradient reached it (detached, or a backward that returns nothing)",
                   expected_magnitude=magnitude)
     for label, alt in (alternatives or {}).items():
         alt, what, name, cause = (*alt, label, "")[:4] if isinstance(alt, tuple) else (alt, label, label, "")
@@ -127,7 +135,7 @@ def diagnose(actual: Any, expected: Any, *, atol: float, rtol: float, world_size
             scale, n = found
             sentence = f"matches what {what} would give" + (f", scaled by {_fraction(scale, n, world_size)}" if n
                                                               else "") + (f": {cause}" if cause else "")
-            return _d(name.replace(" ", "-"), sentence, alternative=label, scale=scale)
+            return make(name.replace(" ", "-"), sentence, alternative=label, scale=scale)
     ee = float((e * e).sum())
     c = float((a * e).sum()) / ee if ee > 0 else 0.0
     if ee > 0 and c != 0 and abs(c - 1.0) > SCALE_MIN_DEVIATION:
@@ -140,7 +148,7 @@ def diagnose(actual: Any, expected: Any, *, atol: float, rtol: float, world_size
         if resid <= SCALE_FIT_RTOL * peak + floor:
             n, why = integer_scale(c, world_size)
             sentence = f"actual = {c:.4g} x expected everywhere" + (f": {why}" if why else "")
-            return _d("uniform-scale", sentence, scale=c, integer=n, residual=resid)
+            return make(UNIFORM_SCALE, sentence, scale=c, integer=n, residual=resid)
     found = _slices(a, e, atol, rtol)
     if found is not None:
         return found
@@ -149,7 +157,7 @@ def diagnose(actual: Any, expected: Any, *, atol: float, rtol: float, world_size
     na, ne = float(a.norm()), float(e.norm())
     corr = float((a * e).sum()) / (na * ne) if na > 0 and ne > 0 else 0.0
     ratio = na / ne if ne else math.inf
-    return _d("unexplained", f"{int(outside.sum())} of {a.numel()} elements outside the tolerance; max abs diff "
+    return make(UNEXPLAINED, f"{int(outside.sum())} of {a.numel()} elements outside the tolerance; max abs diff "
               f"{float(diff.max()):.3g}, mean abs diff {float(diff.mean()):.3g}, |actual|/|expected| "
               f"{ratio:.3g}, correlation {corr:.3g}, best scale {c:.3g}",
               outside=int(outside.sum()), numel=a.numel(), max_abs_diff=float(diff.max()),
@@ -241,7 +249,7 @@ def _slices(a: torch.Tensor, e: torch.Tensor, atol: float, rtol: float) -> dict[
             used.add(j)
         what, where = ("row", "") if dim == 0 else ("slice", f" along dim {dim}")
         if len(perm) == n and perm != list(range(n)):
-            return _d("rows-permuted", f"the right {what}s{where} in the wrong order: position i holds expected "
+            return make(ROWS_PERMUTED, f"the right {what}s{where} in the wrong order: position i holds expected "
                       f"{what} perm[i], perm = {perm[:4 * MAX_NAMED]}", dim=dim, permutation=perm,
                       moved=[i for i, j in enumerate(perm) if i != j])
         wrong = [i for i in range(n) if not bool(match[i, i])]
@@ -250,7 +258,7 @@ def _slices(a: torch.Tensor, e: torch.Tensor, atol: float, rtol: float) -> dict[
     if partial is None:
         return None
     _, dim, wrong, n, what, where = partial
-    return _d("partial", f"only {_names(wrong, what)}{where} of {n} differ; the others are right",
+    return make(PARTIAL, f"only {_names(wrong, what)}{where} of {n} differ; the others are right",
               dim=dim, indices=wrong, total=n)
 
 
@@ -258,7 +266,7 @@ def _slices(a: torch.Tensor, e: torch.Tensor, atol: float, rtol: float) -> dict[
 
 
 def group_of(name: str) -> str:
-    """The parameter group a comparison's name belongs to."""
+    """The parameter group of a comparison made without one (the built-in checks), from its name."""
     n = name.lower()
     if re.search(r"\b(gate|router|routing|gating|top\dgating|capacity|kept|dropped|combine)\b", n):
         return "gate/router"
@@ -287,7 +295,7 @@ def summarise(comparisons: list, world_size: int, first: Any = None) -> dict[str
         return first.diagnosis  # already over every rank's comparisons (parity/restore.py): the check's own
     groups: dict[str, list[int]] = {}
     for c in asserted:
-        g = groups.setdefault(group_of(c.name), [0, 0])
+        g = groups.setdefault(c.group or group_of(c.name), [0, 0])
         g[1] += 1
         g[0] += 0 if c.passed else 1
     right = [g for g in GROUPS if g in groups and groups[g][0] == 0]
@@ -300,7 +308,7 @@ def summarise(comparisons: list, world_size: int, first: Any = None) -> dict[str
         parts.append(f"only on {_names(ranks_failed, 'rank')} of {len(ranks_all)}")
     names = [c.diagnosis["name"] for c in failed if c.diagnosis]
     scales = sorted({c.diagnosis["details"].get("integer") for c in failed
-                     if c.diagnosis and c.diagnosis["name"] == "uniform-scale"} - {None})
+                     if c.diagnosis and c.diagnosis["name"] == UNIFORM_SCALE} - {None})
     if scales:
         parts.append(f"scaled by {' / '.join(str(s) for s in scales)}"
                      + (" (the world size)" if scales == [world_size] else ""))
@@ -308,8 +316,8 @@ def summarise(comparisons: list, world_size: int, first: Any = None) -> dict[str
         parts.append(f"first failure: rank {first.rank}: {first.name}: {first.diagnosis['name']}")
     elif first.note:  # a non-numeric assertion (keys, an exception, a grad_fn): its note says what broke
         parts.append(f"first failure: rank {first.rank}: {first.name}: {first.note}")
-    first_name = first.diagnosis["name"] if first.diagnosis else "failed-assertion" if first.note else "unexplained"
-    name = "partial" if only_some else first_name
+    first_name = first.diagnosis["name"] if first.diagnosis else FAILED_ASSERTION if first.note else UNEXPLAINED
+    name = PARTIAL if only_some else first_name
     return {"name": name, "sentence": "; ".join(parts),
             "details": {"right": right, "wrong": wrong,
                         "groups": {g: {"failed": v[0], "total": v[1]} for g, v in groups.items()},
@@ -325,7 +333,8 @@ def _first_divergence(first: Any, failed: list) -> dict[str, Any]:
     later = [c for c in failed if c is not first and not (c.diagnosis or {}).get("details", {}).get(FIRST_DIVERGENCE)]
     groups: dict[str, int] = {}
     for c in later:
-        groups[group_of(c.name)] = groups.get(group_of(c.name), 0) + 1
+        g = c.group or group_of(c.name)
+        groups[g] = groups.get(g, 0) + 1
     sentence = first.diagnosis["sentence"]
     if later:
         by_group = ", ".join(f"{g} {groups[g]}" for g in GROUPS if g in groups)

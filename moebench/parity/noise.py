@@ -29,7 +29,7 @@ rows (5.23.0, 15 rows x W = 2 and 4 x seeds 0-5: output, gradient and input grad
 DeepSpeed's expert gradients divided by the wrong group's size (2x) at 51-354, transformers' experts summed
 over the ranks instead of averaged at 6.5-445 (6.5: DeepSeek-V3 at W = 2, whose grouped top-k flips routes in
 bf16 on one process too), its router gradient never all-reduced at 36, no backward all-to-all at 133."""
-FIT_RTOL = 0.05
+GROUP_FIT_RTOL = 0.05
 """A group is `c x the reference` when what is left after the fit is within 5 % of it (relative L2):
 bf16 noise is ~0.5 % here (the noise model's distances), a wrong share of a gradient leaves >= 20 %."""
 
@@ -62,14 +62,14 @@ def fit(s: torch.Tensor) -> tuple[float, float] | None:
 def scaled_groups(groups: dict[str, torch.Tensor], baseline: dict[str, torch.Tensor] | None = None
                   ) -> tuple[dict[str, float], set[str]]:
     """({group: c} for each group that is the reference scaled by c != 1, the groups that are right), from
-    each group's sums; a group that fits no single factor is in neither. A fit is read to FIT_RTOL, or to
+    each group's sums; a group that fits no single factor is in neither. A fit is read to GROUP_FIT_RTOL, or to
     BF16_NOISE_RATIO x the group's `baseline` distance where bf16 itself moves the group more (a router whose
     top-k flips for a few tokens in bf16)."""
     scaled, right = {}, set()
     for name, s in groups.items():
         found = fit(s)
         floor = BF16_NOISE_RATIO * distance(baseline[name]) if baseline and name in baseline else 0.0
-        slack = max(FIT_RTOL, floor)
+        slack = max(GROUP_FIT_RTOL, floor)
         if found is None or found[1] > slack:
             continue
         if abs(found[0] - 1) > slack:
@@ -80,17 +80,19 @@ def scaled_groups(groups: dict[str, torch.Tensor], baseline: dict[str, torch.Ten
 
 
 def common_factor(scaled: dict[str, float]) -> float | None:
-    """The one factor every scaled group shares (their mean), when they agree within FIT_RTOL of it relatively;
+    """The one factor every scaled group shares (their mean), when they agree within GROUP_FIT_RTOL of it relatively;
     None when there is no scaled group or they disagree."""
-    if not scaled or max(scaled.values()) - min(scaled.values()) > FIT_RTOL * max(scaled.values()):
+    if not scaled or max(scaled.values()) - min(scaled.values()) > GROUP_FIT_RTOL * max(scaled.values()):
         return None
     return sum(scaled.values()) / len(scaled)
 
 
-def judge(tag: str, what: str, run: torch.Tensor, baseline: torch.Tensor, *, rank: int | None = None) -> Comparison:
-    """The noise-model assertion: the run's distance (from its sums) within BF16_NOISE_RATIO x the baseline's."""
+def judge(tag: str, what: str, run: torch.Tensor, baseline: torch.Tensor, *, rank: int | None = None,
+          group: str = "") -> Comparison:
+    """The noise-model assertion: the run's distance (from its sums) within BF16_NOISE_RATIO x the baseline's;
+    `group` is the parameter group judged (diagnosis.GROUPS)."""
     d_run, d_base = distance(run), distance(baseline)
     ok = d_run <= BF16_NOISE_RATIO * d_base
     return assertion(f"{tag}: bf16 noise model: {what}'s distance from fp32 {d_run:.3g} <= "
-                     f"{BF16_NOISE_RATIO:g} x bf16 on one process ({d_base:.3g})", ok, rank=rank,
+                     f"{BF16_NOISE_RATIO:g} x bf16 on one process ({d_base:.3g})", ok, rank=rank, group=group,
                      note=f"ratio {d_run / d_base:.3g}" if d_base > 0 else "no baseline distance")

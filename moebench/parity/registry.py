@@ -123,6 +123,9 @@ class Check:
     labels: tuple[tuple[str, object], ...] = ()
     """(field, value) pairs carried into the check's record as `labels` (a library row's library,
     version, model, backend, ep_mode, world_size, features)."""
+    skip_if: Callable[[], str | None] | None = None
+    """Asked in the parent before any rank starts: one line why the check cannot run here, or None (a
+    library row's adapter.skip_reason)."""
 
     def skip_reason(self, world_size: int) -> str | None:
         if self.world_size is not None and world_size != self.world_size:
@@ -134,7 +137,7 @@ class Check:
         for module in self.requires:
             if importlib.util.find_spec(module) is None:
                 return f"{module} is not installed"
-        return None
+        return self.skip_if() if self.skip_if is not None else None
 
 
 REGISTRY: dict[str, Check] = {}
@@ -237,14 +240,17 @@ def parse_impls(specs: list[str], timeout_s: float = IMPL_IMPORT_TIMEOUT_S) -> d
     return impls
 
 
-def import_problem(target: str, timeout_s: float, key: str | None = None) -> str:
+def import_problem(target: str, timeout_s: float, key: str | None = None,
+                   validate: Callable[[Any], str] | None = None) -> str:
     """Import `target` in a forked child, never here: what went wrong ("" when it imports). A module
-    that raises, calls sys.exit / os._exit or hangs at import cannot take the command with it."""
+    that raises, calls sys.exit / os._exit or hangs at import cannot take the command with it. `key` checks
+    the object against that --impl key's contract, `validate` (run in the child) with a check of the caller's.
+    What the module prints goes to stderr: stdout is --json's."""
     import multiprocessing as mp
 
     ctx = mp.get_context("fork")
     reader, writer = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_import_child, args=(target, writer, key), daemon=True)
+    child = ctx.Process(target=_import_child, args=(target, writer, key, validate), daemon=True)
     child.start()
     writer.close()
     child.join(timeout_s)
@@ -261,10 +267,15 @@ def import_problem(target: str, timeout_s: float, key: str | None = None) -> str
     return message
 
 
-def _import_child(target: str, writer, key: str | None = None) -> None:
+def _import_child(target: str, writer, key: str | None = None, validate: Callable[[Any], str] | None = None) -> None:
+    import os
+    import sys
+
+    os.dup2(2, 1)  # a module that prints at import must not break --json on stdout
     try:
         obj = load_impl(target)
-        writer.send(interface_problem(key, obj) if key else "")
+        writer.send(interface_problem(key, obj) if key else validate(obj) if validate else "")
+        sys.stdout.flush()
     except SystemExit as exc:
         writer.send(f"called sys.exit({exc.code!r}) while importing")
     except BaseException as exc:  # noqa: BLE001 - whatever the import does is the user's input

@@ -28,6 +28,7 @@ from moebench.distributed.launch import launch, local_world_size, resolve_backen
 from moebench.errors import Interrupted, UserError
 from moebench.parity.compare import TOLERANCE_MODES, Comparison
 from moebench.parity.diagnose import summarise
+from moebench.parity.diagnosis import REFUSED, make
 from moebench.parity.registry import Check, CheckOptions, Refused, SkipCheck, all_checks, load_all, parse_impls, select
 from moebench.preload import import_present
 from moebench.results import STATUS_FAILED, STATUS_INTERRUPTED, STATUS_OK, RunDir
@@ -197,12 +198,9 @@ def _audit(check: Check, result, world_size: int) -> CheckRecord:
         return CheckRecord(**base, status="skip", reason=skips[0])
     refusals = [r["refused"] for r in result.returns if r and "refused" in r]
     if refusals:
-        return CheckRecord(**base, status="refused", reason=refusals[0],
-                           diagnosis={"name": "refused", "sentence": refusals[0], "details": {}})
+        return CheckRecord(**base, status="refused", reason=refusals[0], diagnosis=make(REFUSED, refusals[0]))
     indexed = [(i, Comparison(**c)) for r in result.returns for i, c in enumerate(r["comparisons"])]
     comps = [c for _, c in indexed]
-    for c in comps:
-        _name_world_size(c, world_size)
     order = {id(c): i for i, c in indexed}  # position in its rank's list (sorted() keeps rank order on ties)
     asserted = [c for c in comps if c.asserted]
     failed = [c for c in asserted if not c.passed]
@@ -236,16 +234,6 @@ def _audit(check: Check, result, world_size: int) -> CheckRecord:
                 f"tolerance (reported, not asserted in this mode)")
         record.reason = f"{record.reason}\n{note}".strip()
     return record
-
-
-def _name_world_size(c: Comparison, world_size: int) -> None:
-    """A scale of exactly the world size is named as such (the ranks' compare() does not know it)."""
-    d = c.diagnosis
-    if d and d["name"] == "uniform-scale" and d["details"].get("integer") == world_size \
-            and "world size" not in d["sentence"]:
-        ws = " (the world size)"
-        d["sentence"] = d["sentence"].replace(f" over {world_size} ranks", f" over {world_size} ranks{ws}")
-        d["sentence"] = d["sentence"].replace(f"divided by {world_size} ", f"divided by {world_size}{ws} ")
 
 
 def _describe_failure(c: Comparison) -> str:

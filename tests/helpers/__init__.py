@@ -20,3 +20,10 @@ def make_config(variant_name: str, preset: str = "quick", **flat):
 def fastmoe_config(**flat):
     """A fastmoe config on the reference implementation (the quick preset under `flat`)."""
     return make_config("fastmoe", **{"moe_impl": "reference", **flat})
+
+
+def library_checks(names, world_sizes, **kwargs):
+    """The row checks of the named libraries (moebench.libraries.matrix.row_checks on the registry's adapters)."""
+    from moebench.libraries import matrix, registry
+
+    return matrix.row_checks(registry.require(list(names)), tuple(world_sizes), **kwargs)

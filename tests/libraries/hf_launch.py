@@ -1,9 +1,10 @@
 """Run transformers adapter rows on W real gloo ranks, several rows per launch (one process group).
 
-Until the --library runner exists this is how the tests drive `TransformersAdapter.run_row`: one
-`moebench.distributed.launch` per (world, seed, rows), every rank runs every row in order, and the
-comparisons come back grouped per row, flattened over ranks. Patches applied in the test process
-before the launch reach the ranks (they are forked)."""
+The --library runner starts fresh ranks for each row; the tests save that start-up by driving the adapter's
+runners themselves: one `moebench.distributed.launch` per (world, seed, rows), every rank runs every row in
+order (a row the adapter's skip_reason names is skipped, as the runner does), and the comparisons come back
+grouped per row, flattened over ranks. Patches applied in the test process before the launch reach the ranks
+(they are forked)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import dataclasses
 import time
 
 from moebench.distributed.launch import check, launch
-from moebench.libraries.base import Row
+from moebench.libraries.spec import Row
 from moebench.libraries.transformers import ADAPTER
 from moebench.parity.diagnose import group_of
 from moebench.parity.registry import CheckOptions, SkipCheck
@@ -36,7 +37,7 @@ class RowResult:
         return self.skipped is None and bool(self.comparisons) and not self.failed
 
     def failed_groups(self) -> set[str]:
-        return {group_of(c.name) for c in self.failed}
+        return {c.group or group_of(c.name) for c in self.failed}
 
     def describe(self) -> str:
         lines = [f"{self.row.key()}: {len(self.failed)} of {len(self.comparisons)} comparisons failed"]
@@ -49,8 +50,12 @@ def _rank(ctx, rows: list[Row], opts: CheckOptions) -> list:
     out = []
     for row in rows:
         start = time.monotonic()
+        reason = ADAPTER.skip_reason(row)
+        if reason is not None:
+            out.append(("skip", reason, 0.0))
+            continue
         try:
-            out.append(("ok", ADAPTER.run_row(ctx, row, opts), time.monotonic() - start))
+            out.append(("ok", ADAPTER.runner(row.kind)(ctx, row, opts), time.monotonic() - start))
         except SkipCheck as exc:
             out.append(("skip", str(exc), time.monotonic() - start))
     return out

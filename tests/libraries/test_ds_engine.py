@@ -1,4 +1,4 @@
-"""DeepSpeed's engine rows (moebench/libraries/ds_engine.py): the matrix, the rows on the pinned release
+"""DeepSpeed's engine rows (moebench/libraries/deepspeed/engine.py): the matrix, the rows on the pinned release
 (a fast subset here, the whole W = 4 matrix in the slow tier), the finding on it, and every injected
 fault of tests/faults/ds_faults.py caught and named by mechanism at the stage, step and group it hits."""
 
@@ -11,8 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import library_checks
 
-from moebench.libraries import ds_engine, ds_mechanisms, runner
+from moebench.libraries import matrix
+from moebench.libraries.deepspeed import engine as ds_engine
+from moebench.libraries.deepspeed import mechanisms as ds_mechanisms
+from moebench.libraries.records import rows_of
 from moebench.parity.runner import ParityConfig, run_checks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "faults"))
@@ -25,13 +29,13 @@ DS_API_PARAMS = ("zero_stage", "ep_size", "grad_accum", "clip", "precision", "to
 
 def _rows(world_size: int, keys: list[str]) -> dict[str, dict]:
     """Run the named engine rows (keys without the "deepspeed/engine/" prefix) -> rows_of by key."""
-    checks = [c for c in runner.row_checks(["deepspeed"], (world_size,))
+    checks = [c for c in library_checks(["deepspeed"], (world_size,))
               if c.name.removeprefix("deepspeed/engine/") in keys]
     assert len(checks) == len(keys), [c.name for c in checks]
-    with runner.registered(checks):
+    with matrix.registered(checks):
         summary = run_checks(ParityConfig(world_size=world_size, timeout_s=120.0,
                                           checks=tuple(c.name for c in checks)))
-    return {r["check"].removeprefix("deepspeed/engine/"): r for r in runner.rows_of(summary)}
+    return {r["check"].removeprefix("deepspeed/engine/"): r for r in rows_of(summary)}
 
 
 # ------------------------------------------------------------------ the matrix (no ranks)
@@ -44,11 +48,11 @@ def test_the_w4_matrix_has_every_stage_ep_size_and_feature_once():
     assert len(rows) == 3 * 3 * 4 + 3 * 3 == 45
     assert len({r.key() for r in rows}) == len(rows)
     for r in rows:
-        params = dict(r.params)
+        params = r.settings.fields()
         assert tuple(params) == DS_API_PARAMS
         assert (r.backend, r.ep_mode) == (f"zero{params['zero_stage']}", f"ep={params['ep_size']}")
         assert len(r.features) <= 1 and r.variant == "+".join(r.features)
-    combos = {(dict(r.params)["zero_stage"], dict(r.params)["ep_size"], r.features) for r in rows}
+    combos = {(r.settings.zero_stage, r.settings.ep_size, r.features) for r in rows}
     for stage in (0, 1, 2):
         for ep in (4, 2, 1):
             for feature in ((), ("grad-accum",), ("clip",), ("bf16",)):
@@ -56,18 +60,18 @@ def test_the_w4_matrix_has_every_stage_ep_size_and_feature_once():
         for option in ("top-2", "drops", "residual"):
             assert (stage, 4, (option,)) in combos
     clip = next(r for r in rows if r.features == ("clip",))
-    assert dict(clip.params)["clip"] == ds_engine.CLIP and dict(clip.params)["grad_accum"] == 1
+    assert clip.settings.clip == ds_engine.CLIP and clip.settings.grad_accum == 1
 
 
 def test_a_user_config_gives_one_plain_row_per_ep_size():
     from moebench.libraries.deepspeed import ADAPTER
 
     rows = ADAPTER.rows(4, user_config={"zero_stage": 2, "clip": 1.0, "grad_accum": 4, "precision": "fp32"})
-    assert [dict(r.params)["ep_size"] for r in rows] == [4, 2, 1]
-    assert all(dict(r.params)["zero_stage"] == 2 and dict(r.params)["grad_accum"] == 4 for r in rows)
-    assert all(dict(r.params)["loss_multiplier"] == 20 for r in rows)  # clip 1.0 binds on the small model
+    assert [r.settings.ep_size for r in rows] == [4, 2, 1]
+    assert all(r.settings.zero_stage == 2 and r.settings.grad_accum == 4 for r in rows)
+    assert all(r.settings.loss_multiplier == 20 for r in rows)  # clip 1.0 binds on the small model
     small = ADAPTER.rows(2, user_config={"zero_stage": 0, "clip": 0.05, "grad_accum": 1, "precision": "fp32"})
-    assert all(dict(r.params)["loss_multiplier"] == 1 for r in small)
+    assert all(r.settings.loss_multiplier == 1 for r in small)
     assert [r.key() for r in rows][0] == "deepspeed/engine/zero2/ep=4/w4/ds-config"
 
 
@@ -118,7 +122,7 @@ def _bf16_view(grad_scale: dict[str, float], update_passed: bool | None) -> ds_m
 def test_a_bf16_loss_scale_left_in_the_reported_gradient_is_named_and_says_whether_training_is_right():
     """DeepSpeed 0.17.6-0.18.0 at ZeRO 0 in bf16 report every gradient x 65536 (a loss scale of 2^16 that
     their backward applies and their step undoes: deepspeedai/DeepSpeed#7837, fixed by #7839). The groups'
-    factors differ by bf16 noise (65439 to 65570): one factor within FIT_RTOL of each other, relatively."""
+    factors differ by bf16 noise (65439 to 65570): one factor within noise.GROUP_FIT_RTOL of each other, relatively."""
     view = _bf16_view({"experts": 65438.9, "gate": 65531.2, "dense": 65569.8}, update_passed=True)
     finding = ds_mechanisms.analyse(view)
     assert finding["name"] == "loss-scale", finding
@@ -295,7 +299,7 @@ def test_the_old_engine_check_is_blind_to_the_norm_and_accumulation_faults(monke
 
 _COUNT_ROW_IMPORTS = """
 import os, sys
-from moebench.libraries import ds_engine, ds_resume
+from moebench.libraries.deepspeed import engine as ds_engine, resume as ds_resume
 def counted(ctx, row, opts, _run=ds_engine.run):
     before = set(sys.modules)
     try:

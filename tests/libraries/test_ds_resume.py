@@ -14,8 +14,8 @@ import pytest
 pytest.importorskip("deepspeed")
 
 from moebench.libraries import deepspeed as ds_adapter  # noqa: E402
-from moebench.libraries import ds_resume  # noqa: E402
-from moebench.libraries.runner import verify_libraries  # noqa: E402
+from moebench.libraries.deepspeed import resume as ds_resume  # noqa: E402
+from moebench.libraries.matrix import verify_libraries  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "faults"))
@@ -31,11 +31,10 @@ def _rows(world: int, *keys: str):
 
 def _run(monkeypatch, tmp_path, rows, *, fault: str | None = None, seed: int = 0) -> dict:
     """The rows through the real runner (forked gloo ranks), with `fault` patched into DeepSpeed."""
-    monkeypatch.setattr(ds_adapter.DeepSpeed, "rows", lambda self, w, *, resume=False: list(rows))
     if fault:
         ds_resume_faults.FAULTS[fault](monkeypatch.setattr)
-    return verify_libraries(["deepspeed"], (rows[0].world_size,), config_fields={**FIELDS, "seed": seed},
-                            results_dir=str(tmp_path / "results"), resume=True)
+    return verify_libraries([ds_adapter.ADAPTER], (rows[0].world_size,), config_fields={**FIELDS, "seed": seed},
+                            results_dir=str(tmp_path / "results"), resume=True, patterns=tuple(r.key() for r in rows))
 
 
 def _restore_diagnosis(check: dict) -> dict:
@@ -48,7 +47,7 @@ def _restore_diagnosis(check: dict) -> dict:
 def test_rows_cover_the_matrix_with_unique_keys_and_json_params():
     rows = ds_resume.resume_rows(4)
     assert len({r.key() for r in rows}) == len(rows)
-    params = [dict(r.params) for r in rows]
+    params = [r.settings.fields() for r in rows]
     assert {p["zero_stage"] for p in params} == {0, 1, 2} and {p["ep_size"] for p in params} == {1, 2, 4}
     assert all(isinstance(v, (int, float, str, bool)) for p in params for v in p.values())
     features = {f for r in rows for f in r.features}
@@ -211,7 +210,9 @@ def _repro(tmp_path, key: str, fault: str | None) -> subprocess.CompletedProcess
 def test_repro_script_is_standalone_and_only_for_resume_rows():
     (row,) = _rows(2, "deepspeed/resume/zero1/ep=2/w2/resume")
     source = ds_adapter.ADAPTER.repro_script(row, 3)
-    assert "moebench" not in source.replace(row.key(), "")
+    head, body = source.split("\n", 1)
+    assert head.startswith(f"# Reproduces moebench verify-parity row {row.key()} ")  # as every script's first line
+    assert "moebench" not in body
     compile(source, "repro.py", "exec")
     assert ds_adapter.ADAPTER.repro_script(ds_adapter.ADAPTER.rows(2)[0], 0) is None
 

@@ -7,13 +7,13 @@ import json
 import os
 
 import pytest
+from helpers import library_checks
 from typer.testing import CliRunner
 
 from moebench.cli.app import app
 from moebench.errors import UserError
-from moebench.libraries import runner
-from moebench.libraries.ds_user_config import DEFAULTS, read_user_config
-from moebench.libraries.table import WIDTH
+from moebench.libraries.deepspeed.user_config import DEFAULTS, read_user_config
+from moebench.libraries.records import WIDTH
 
 USER = {
     "train_batch_size": 64,
@@ -122,12 +122,12 @@ def test_bad_ds_config_on_the_cli_is_one_line_exit_2_and_nothing_written(tmp_pat
 
 def test_row_checks_hand_the_settings_to_the_adapter_and_label_the_rows():
     settings = {"zero_stage": 1, "clip": 0.5, "grad_accum": 2, "precision": "fp32"}
-    checks = runner.row_checks(["deepspeed"], (2, 4), user_configs={"deepspeed": settings})
+    checks = library_checks(["deepspeed"], (2, 4), user_configs={"deepspeed": settings})
     assert checks
     for check in checks:
-        labels = dict(check.labels)
+        labels = dict(check.check.labels)
         assert {k: labels[k] for k in settings} == settings and labels["ep_size"] >= 1
-        assert check.world_size % labels["ep_size"] == 0
+        assert check.check.world_size % labels["ep_size"] == 0
 
 
 @pytest.mark.multirank

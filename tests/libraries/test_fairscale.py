@@ -12,14 +12,16 @@ pytest.importorskip("fairscale", reason="fairscale is not installed: pip install
 
 from fairscale.nn import moe as fairscale_moe  # noqa: E402
 from fairscale.nn.moe import moe_layer  # noqa: E402
+from helpers import library_checks  # noqa: E402
 
-from moebench.libraries import fairscale as adapter  # noqa: E402
-from moebench.libraries import runner  # noqa: E402
+from moebench.libraries import matrix  # noqa: E402
+from moebench.libraries.fairscale import parity as adapter  # noqa: E402
+from moebench.libraries.records import rows_of  # noqa: E402
 from moebench.parity.runner import ParityConfig, run_checks  # noqa: E402
 
 
 def _run(world_sizes=(2, 4), seed=0):
-    with runner.registered(runner.row_checks(["fairscale"], world_sizes)) as checks:
+    with matrix.registered(library_checks(["fairscale"], world_sizes)) as checks:
         return run_checks(ParityConfig(world_size=max(world_sizes), checks=tuple(c.name for c in checks),
                                        seed=seed, timeout_s=60.0))
 
@@ -39,7 +41,7 @@ def _step1(failed, what):
 @pytest.mark.multirank
 def test_fairscale_rows_pass_at_world_2_and_4_with_every_expert_compared():
     summary = _run()
-    rows = runner.rows_of(summary)
+    rows = rows_of(summary)
     assert [(r["world_size"], r["ep_mode"]) for r in rows] == [
         (2, "a2a-E=W"), (2, "a2a-E=2W"), (4, "a2a-E=W"), (4, "a2a-E=2W")]
     assert all(r["verdict"] == "pass" and r["diagnosis"] is None and r["version"] == "0.4.13" for r in rows)

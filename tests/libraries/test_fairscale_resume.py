@@ -10,17 +10,19 @@ pytest.importorskip("fairscale", reason="fairscale is not installed: pip install
 
 import torch.distributed as dist  # noqa: E402
 from fairscale.nn.moe import moe_layer  # noqa: E402
+from helpers import library_checks  # noqa: E402
 
-from moebench.libraries import runner  # noqa: E402
+from moebench.libraries import matrix  # noqa: E402
 from moebench.libraries.fairscale import ADAPTER  # noqa: E402
+from moebench.libraries.records import rows_of  # noqa: E402
 from moebench.libraries.resume import EVERY_RANK  # noqa: E402
 from moebench.parity import restore  # noqa: E402
 from moebench.parity.runner import ParityConfig, run_checks  # noqa: E402
 
 
 def _run(world_size=2, seed=0):
-    checks = [c for c in runner.row_checks(["fairscale"], (world_size,), resume=True) if c.name.endswith("/resume")]
-    with runner.registered(checks):
+    checks = [c for c in library_checks(["fairscale"], (world_size,), resume=True) if c.name.endswith("/resume")]
+    with matrix.registered(checks):
         return run_checks(ParityConfig(world_size=world_size, checks=tuple(c.name for c in checks), seed=seed,
                                        timeout_s=60.0))
 
@@ -43,7 +45,7 @@ def test_resume_row_only_with_resume():
 @pytest.mark.multirank
 def test_round_trip_passes_bit_for_bit_and_its_json_row():
     summary = _run()
-    (row,) = runner.rows_of(summary)
+    (row,) = rows_of(summary)
     assert row["verdict"] == "pass" and row["diagnosis"] is None, summary["checks"][0]["reason"]
     assert row["features"] == ["resume"] and row["ep_size"] == 2 and row["load_optimizer_states"] is True
     assert "load_ep_size" not in row  # loaded at the layout it was saved in
@@ -82,7 +84,7 @@ def test_rank_0s_experts_loaded_on_every_rank(monkeypatch):
     _wrap_load(monkeypatch, rank0)
     summary = _run()
     d = _diagnosis(summary)
-    (row,) = runner.rows_of(summary)
+    (row,) = rows_of(summary)
     assert row["verdict"] == "fail" and row["diagnosis_name"] == restore.PERMUTATION
     # the restore diagnosis is the row's whole diagnosis: the slots it names, not a count of wrong groups
     assert row["diagnosis"].startswith("permutation: rank 1, local slot 0 holds global expert 0's weights; "

@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 
 from moebench.cli.app import app
 from moebench.libraries import registry
-from moebench.libraries.base import InstalledLibrary
-from moebench.libraries.table import WIDTH, conformance
+from moebench.libraries.records import WIDTH, conformance
+from moebench.libraries.spec import Adapter
 
 ROW_FIELDS = {"library", "version", "model", "backend", "ep_mode", "world_size", "features", "verdict", "diagnosis"}
 
@@ -36,24 +36,24 @@ def test_list_names_every_library_with_version_and_why_not():
     assert result.exit_code == 0, result.output
     block = result.output.split("libraries (verify-parity --library NAME):")[1]
     _fits(block)
-    for name in registry.ADAPTERS:
+    for name in registry.known():
         assert any(line.startswith(name + " ") for line in block.splitlines()), name
     fairscale = next(line for line in block.splitlines() if line.startswith("fairscale "))
     if registry.status("fairscale").why_not is None:
         assert " yes" in fairscale and registry.status("fairscale").version in fairscale
     doc = json.loads(_invoke("--list", "--json").output)
-    assert {lib["name"] for lib in doc["libraries"]} == set(registry.ADAPTERS)
+    assert {lib["name"] for lib in doc["libraries"]} == set(registry.known())
     assert all({"version", "why_not", "can_run", "extra"} <= set(lib) for lib in doc["libraries"])
 
 
-class _Absent(InstalledLibrary):
+class _Absent(Adapter):
     name = "absentlib"
     import_name = "moebench_test_no_such_module"
     extra = "absentlib"
 
 
 def test_a_missing_library_is_one_line_with_the_install_command(monkeypatch):
-    monkeypatch.setitem(registry.ADAPTERS, "absentlib", "unused:ADAPTER")
+    monkeypatch.setitem(registry.BUILTIN, "absentlib", "unused:ADAPTER")
     monkeypatch.setitem(registry._loaded, "absentlib", _Absent())
     result = _invoke("--library", "absentlib")
     assert result.exit_code == 2

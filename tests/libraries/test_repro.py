@@ -9,6 +9,7 @@ quantity with the fault, 0 without, and end a hang by its deadline.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib.util
 import json
 import os
@@ -24,7 +25,9 @@ from typer.testing import CliRunner
 
 from moebench.cli.app import app
 from moebench.libraries import repro
-from moebench.libraries.base import Row
+from moebench.libraries.deepspeed import repro as ds_repro
+from moebench.libraries.matrix import RowCheck
+from moebench.libraries.spec import Adapter, Row
 
 REPO = Path(__file__).resolve().parents[2]
 INJECT = REPO / "tests" / "faults" / "inject"
@@ -35,12 +38,11 @@ SCRIPT_TIMEOUT_S = 240.0
 
 
 def ds_row(**params) -> Row:
-    """An engine row as ds-matrix builds them."""
-    settings = {"zero_stage": 1, "ep_size": 2, "grad_accum": 1, "clip": 0.0, "precision": "fp32", "top_k": 1,
-                "drop_tokens": False, "use_residual": False, "steps": 2, **params}
-    world = settings.pop("world_size", 2)
-    return Row(library="deepspeed", model="engine", backend=f"zero{settings['zero_stage']}",
-               ep_mode=f"ep={settings['ep_size']}", world_size=world, params=tuple(settings.items()))
+    """An engine row as the DeepSpeed adapter builds them."""
+    from moebench.libraries.deepspeed.engine import EngineSettings, row_of
+
+    world = params.pop("world_size", 2)
+    return row_of(EngineSettings(**{"zero_stage": 1, "ep_size": 2, **params}), world)
 
 
 def _poisoned_path(tmp_path: Path) -> Path:
@@ -100,7 +102,7 @@ def _settings(source: str) -> dict:
 @pytest.mark.parametrize("make", ["deepspeed", "fairscale", "transformers"])
 def test_a_script_imports_only_the_stdlib_torch_and_the_library(make):
     if make == "deepspeed":
-        source = repro.deepspeed_engine_script(ds_row(zero_stage=2, ep_size=1, world_size=4, clip=0.05), 7)
+        source = ds_repro.script(ds_row(zero_stage=2, ep_size=1, world_size=4, clip=0.05), 7)
     elif make == "transformers":
         from moebench.libraries.transformers import ADAPTER
 
@@ -116,14 +118,14 @@ def test_a_script_imports_only_the_stdlib_torch_and_the_library(make):
     settings = _settings(source)
     assert settings["seed"] == 7
     if make == "deepspeed":
-        assert settings == {**dict(ds_row(zero_stage=2, ep_size=1, clip=0.05).params), "world_size": 4, "seed": 7}
+        engine = dataclasses.asdict(ds_row(zero_stage=2, ep_size=1, clip=0.05).settings)
+        assert settings == {**engine, "world_size": 4, "seed": 7}
 
 
 def test_rows_without_an_engine_script_get_none():
     plain = Row(library="deepspeed", model="engine", backend="zero0-2", ep_mode="ep=2", world_size=2)
-    assert repro.deepspeed_engine_script(plain, 0) is None  # the wrapped check's row: no params
-    assert repro.deepspeed_engine_script(ds_row(precision="bf16"), 0) is None
-    assert repro.deepspeed_engine_script(ds_row(load_ep_size=1), 0) is None  # a resume row: its own script
+    assert ds_repro.script(plain, 0) is None  # the wrapped check's row
+    assert ds_repro.script(ds_row(precision="bf16"), 0) is None
     assert repro.script_name(ds_row().key()) == "deepspeed__engine__zero1__ep=2__w2.py"
     if importlib.util.find_spec("transformers") is not None:  # bf16 rows are judged by a noise model, not per element
         from moebench.libraries.transformers import ADAPTER
@@ -135,18 +137,23 @@ def test_rows_without_an_engine_script_get_none():
 # ------------------------------------------------------------------------------------ the writer
 
 
-class _Scripted:
+class _Scripted(Adapter):
     def repro_script(self, row, seed):
         return f"print({row.key()!r}, {seed})\n"
 
 
-class _Unscripted:
+class _Unscripted(Adapter):
     pass
 
 
+def _rows(**by_name) -> dict:
+    """check name -> a RowCheck of (adapter, row), as the matrix hands write_scripts its rows."""
+    return {name: RowCheck(check=None, adapter=adapter, row=row) for name, (adapter, row) in by_name.items()}
+
+
 def test_write_scripts_writes_one_per_failing_row_and_lists_them(tmp_path):
-    rows = {"a/x": (_Scripted(), ds_row()), "b/y": (_Scripted(), ds_row(zero_stage=2)),
-            "c/z": (_Unscripted(), ds_row(zero_stage=0))}
+    rows = _rows(**{"a/x": (_Scripted(), ds_row()), "b/y": (_Scripted(), ds_row(zero_stage=2)),
+                    "c/z": (_Unscripted(), ds_row(zero_stage=0))})
     summary = {"checks": [{"name": "a/x", "status": "fail"}, {"name": "b/y", "status": "pass"},
                           {"name": "c/z", "status": "fail"}]}
     out = repro.write_scripts(str(tmp_path / "new" / "dir"), summary, rows, seed=3)
@@ -164,7 +171,8 @@ def test_write_scripts_writes_one_per_failing_row_and_lists_them(tmp_path):
 def test_an_unwritable_repro_dir_is_named_and_the_verdicts_kept(tmp_path):
     (tmp_path / "afile").write_text("")
     summary = {"checks": [{"name": "a/x", "status": "fail"}]}
-    out = repro.write_scripts(str(tmp_path / "afile" / "sub"), summary, {"a/x": (_Scripted(), ds_row())}, seed=0)
+    rows = _rows(**{"a/x": (_Scripted(), ds_row())})
+    out = repro.write_scripts(str(tmp_path / "afile" / "sub"), summary, rows, seed=0)
     assert out["checks"] == summary["checks"] and out["repro"] == []
     assert out["repro_error"].startswith(f"could not write {tmp_path / 'afile' / 'sub' / 'a__x.py'}: ")
     assert repro.lines(out) == [f"error: --repro: {out['repro_error']}"]
@@ -228,7 +236,7 @@ def _case_id(fault, settings) -> str:
 def test_deepspeed_script_reproduces_the_fault_and_passes_unbroken(tmp_path, fault, settings, status, expected):
     path = tmp_path / "scripts" / repro.script_name(ds_row(**settings).key())
     path.parent.mkdir()
-    path.write_text(repro.deepspeed_engine_script(ds_row(**settings), 0))
+    path.write_text(ds_repro.script(ds_row(**settings), 0))
     done, tag = run_script(path, tmp_path, fault=fault)
     out = done.stdout
     assert done.returncode == status, out + done.stderr[-3000:]
@@ -245,7 +253,7 @@ def test_deepspeed_script_reproduces_the_fault_and_passes_unbroken(tmp_path, fau
 @pytest.mark.slow
 def test_a_hanging_rank_is_ended_by_the_deadline(tmp_path):
     path = tmp_path / "repro.py"
-    path.write_text(repro.deepspeed_engine_script(ds_row(zero_stage=0, ep_size=2, world_size=2), 0))
+    path.write_text(ds_repro.script(ds_row(zero_stage=0, ep_size=2, world_size=2), 0))
     deadline = 30.0
     start = time.monotonic()
     done, tag = run_script(path, tmp_path, fault="repro_faults:rank-sleeps", deadline=deadline)
@@ -262,7 +270,7 @@ def test_a_hanging_rank_is_ended_by_the_deadline(tmp_path):
 def test_an_interrupted_script_kills_every_rank(tmp_path, signum):
     """Ctrl-C (or SIGTERM) to the script alone, while its ranks run: exit 130, no rank left behind."""
     path = tmp_path / "repro.py"
-    path.write_text(repro.deepspeed_engine_script(ds_row(), 0))
+    path.write_text(ds_repro.script(ds_row(), 0))
     tag = uuid.uuid4().hex
     env = {**{k: v for k, v in os.environ.items() if k != "MOEBENCH_INJECT_FAULT"}, "REPRO_TEST_TAG": tag,
            "PYTHONPATH": str(_poisoned_path(tmp_path))}

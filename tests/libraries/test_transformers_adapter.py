@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 
-from moebench.libraries.base import Row
+from moebench.libraries.spec import Row
 from moebench.libraries.transformers import (
     ADAPTER,
     BACKENDS,
@@ -29,11 +29,11 @@ def test_protocol_attributes_and_version():
 
 
 def test_unavailable_says_why(monkeypatch):
-    import moebench.libraries.transformers as hf
+    from moebench.libraries.transformers import api
 
-    monkeypatch.setattr(hf, "_hf_version", lambda: "4.57.1")
+    monkeypatch.setattr(api, "hf_version", lambda: "4.57.1")
     assert "4.57.1 has no expert parallelism" in TransformersAdapter().unavailable()
-    monkeypatch.setattr(hf, "_hf_version", lambda: None)
+    monkeypatch.setattr(api, "hf_version", lambda: None)
     assert TransformersAdapter().unavailable() == (
         "transformers is not installed: pip install 'moebench[transformers]'")
 
@@ -66,10 +66,10 @@ def test_distributed_config_is_the_public_one():
     """Each mode is a DistributedConfig as transformers' docs spell it (no private entry point)."""
     from transformers.distributed import DistributedConfig
 
-    from moebench.libraries.transformers import _distributed_config
+    from moebench.libraries.transformers.api import distributed_config
 
     def make(mode):
-        return _distributed_config(Row(library="transformers", model="mixtral", backend="eager", ep_mode=mode,
+        return distributed_config(Row(library="transformers", model="mixtral", backend="eager", ep_mode=mode,
                                        world_size=4))
 
     a2a, a2a_tp, ar = make("all_to_all"), make("all_to_all+tp"), make("all_reduce")

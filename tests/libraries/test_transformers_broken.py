@@ -204,11 +204,11 @@ def test_the_bf16_rows_noise_model_catches_each_bug(monkeypatch, patch, model, m
     leaves its judgement far outside the noise of bf16 on one process; expert gradients x W are named."""
     from libraries.hf_launch import run_rows
 
-    from moebench.libraries.base import Row
+    from moebench.libraries.spec import BF16, Row
     from moebench.libraries.transformers import BF16_BACKEND
 
     patch(monkeypatch)
-    row = Row(library="transformers", model=model, backend=BF16_BACKEND, ep_mode=mode, world_size=2,
+    row = Row(library="transformers", model=model, backend=BF16_BACKEND, ep_mode=mode, world_size=2, kind=BF16,
               features=("bf16",), variant="bf16")
     (result,) = run_rows([row], 2)
     assert not result.passed

@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 
 from moebench.libraries.transformers import ADAPTER, NUM_EXPERTS
-from moebench.libraries.transformers_resume import ONE_PROCESS, RESUME_ROWS, TRAINER_ROWS, resume_rows
+from moebench.libraries.transformers.resume import ONE_PROCESS, RESUME_ROWS, TRAINER_ROWS, resume_rows
 from moebench.parity import restore
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
@@ -28,11 +28,12 @@ def test_resume_rows_only_with_resume_and_their_json_fields():
     same, other = rows[0], rows[1]
     assert same.key() == "transformers/mixtral/grouped_mm/all_to_all/w2/resume"
     assert other.key() == "transformers/mixtral/grouped_mm/all_to_all/w2/resume-to-all_reduce"
-    assert dict(same.params) == {"ep_size": 2, "save_steps": 2, "continue_steps": 2, "load_optimizer_states": True,
-                                 "distributed_checkpoint": False, "optimizer_checkpoint": "save_optimizer_distributed"}
-    assert dict(rows[-1].params)["optimizer_checkpoint"] == "Trainer" and rows[-1].variant == "resume-trainer"
-    assert dict(other.params)["load_ep_mode"] == "all_reduce" and dict(other.params)["load_ep_size"] == 2
-    assert dict(rows[3].params)["load_ep_mode"] == ONE_PROCESS and dict(rows[3].params)["load_ep_size"] == 1
+    assert same.settings.fields() == {"ep_size": 2, "save_steps": 2, "continue_steps": 2,
+                                      "load_optimizer_states": True, "distributed_checkpoint": False,
+                                      "optimizer_checkpoint": "save_optimizer_distributed"}
+    assert rows[-1].settings.optimizer_checkpoint == "Trainer" and rows[-1].variant == "resume-trainer"
+    assert other.settings.load_ep_mode == "all_reduce" and other.settings.load_ep_size == 2
+    assert rows[3].settings.load_ep_mode == ONE_PROCESS and rows[3].settings.load_ep_size == 1
 
 
 def _rows(world_size: int, which=None):
@@ -62,14 +63,17 @@ def _is_file_slice(source) -> bool:
 def _runner(world_size: int, seed: int = 0) -> dict:
     """The resume rows through the library runner (one launch each, as `verify-parity --library transformers
     --resume` runs them): the summary, with its JSON "rows"."""
-    from moebench.libraries import runner
+    from helpers import library_checks
+
+    from moebench.libraries import matrix
+    from moebench.libraries.records import with_rows
     from moebench.parity.runner import ParityConfig, run_checks
 
-    checks = [c for c in runner.row_checks(["transformers"], (world_size,), resume=True) if "/resume" in c.name]
-    with runner.registered(checks):
+    checks = [c for c in library_checks(["transformers"], (world_size,), resume=True) if "/resume" in c.name]
+    with matrix.registered(checks):
         summary = run_checks(ParityConfig(world_size=world_size, checks=tuple(c.name for c in checks), seed=seed,
                                           timeout_s=120.0))
-    return runner.with_rows(summary)
+    return with_rows(summary)
 
 
 @pytest.mark.multirank
@@ -111,7 +115,7 @@ def test_every_resume_row_passes_at_world_4():
 def _library_paths(rows):
     """The rows whose optimizer goes through transformers.distributed's own functions (the Trainer's path is a
     finding on 5.23.0)."""
-    return [r for r in rows if dict(r.params)["optimizer_checkpoint"] != "Trainer"]
+    return [r for r in rows if r.settings.optimizer_checkpoint != "Trainer"]
 
 
 @pytest.mark.multirank

@@ -15,10 +15,15 @@ a rank, the layer built as the adapter builds it):
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
-from moebench.libraries.base import Row
+from moebench.libraries.fairscale import parity as fs
+from moebench.libraries.spec import RESUME, Row, Settings
+from moebench.parity.diagnosis import EXPERTS, OUTPUT
+from moebench.parity.layout import ExpertLayout
 
 PER_RANK = 2
 """Experts a rank: two, so a slot can hold the other local expert's state, not only another rank's."""
@@ -30,17 +35,21 @@ FRESH_SEED_OFFSET = 7_919
 OPTIMIZER_QUANTITIES = ("exp_avg", "exp_avg_sq", "step")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ResumeSettings(Settings):
+    ep_size: int
+    save_steps: int = SAVE_STEPS
+    continue_steps: int = CONTINUE_STEPS
+    load_optimizer_states: bool = True
+
+
 def resume_row(world_size: int, ep_mode: str) -> Row:
     return Row(library="fairscale", model="top2gate", backend="-", ep_mode=ep_mode, world_size=world_size,
-               features=("resume",), variant="resume",
-               params=(("ep_size", world_size), ("save_steps", SAVE_STEPS), ("continue_steps", CONTINUE_STEPS),
-                       ("load_optimizer_states", True)))
+               kind=RESUME, features=("resume",), variant="resume", settings=ResumeSettings(ep_size=world_size))
 
 
 def _layer(seed: int, rank: int, world: int, moe_layer_cls, gate_cls):
     """fairscale's layer on this rank, its weights from `seed` (every expert's drawn, this rank's kept)."""
-    from moebench.libraries import fairscale as fs
-
     experts = PER_RANK * world
     torch.manual_seed(seed)
     gate = gate_cls(fs.D_MODEL, experts)
@@ -54,8 +63,6 @@ def _steps(layer, opt, seed: int, steps: range, rank: int, world: int) -> list[f
     """Adam steps; the global loss of each (the mean over every rank's tokens)."""
     import torch.distributed as dist
 
-    from moebench.libraries import fairscale as fs
-
     experts = PER_RANK * world
     tokens = fs.TOKENS_PER_EXPERT * experts
     losses = []
@@ -66,7 +73,7 @@ def _steps(layer, opt, seed: int, steps: range, rank: int, world: int) -> list[f
         rows = layer.gate.wg.weight.detach()
         for e in range(experts):  # every rank sends every expert a slot
             x_all[:, e] = fs.TOKEN_SCALE * rows[e] / rows[e].norm()
-        torch.manual_seed(fs._noise_seed(seed, step, rank))  # top2gating draws its noise here
+        torch.manual_seed(fs.noise_seed(seed, step, rank))  # top2gating draws its noise here
         y = layer(x_all[rank].view(2, tokens // 2, fs.D_MODEL)).reshape(tokens, fs.D_MODEL)
         loss = (y * weights[rank]).mean()
         loss.backward()
@@ -79,12 +86,13 @@ def _steps(layer, opt, seed: int, steps: range, rank: int, world: int) -> list[f
     return losses
 
 
-def _unit(name: str, rank: int) -> tuple[str, int | None, int | None]:
-    """ "experts.1.fc2.weight" on rank r -> ("experts.fc2.weight", local 1, global r x PER_RANK + 1); others as is."""
-    if not name.startswith("experts."):
+def _unit(name: str, layout: ExpertLayout, rank: int) -> tuple[str, int | None, int | None]:
+    """ "experts.1.fc2.weight" on rank r -> ("experts.fc2.weight", local 1, its global expert); others as is."""
+    found = layout.split_name(name, fs.EXPERT_PREFIX)
+    if found is None:
         return name, None, None
-    _, j, rest = name.split(".", 2)
-    return f"experts.{rest}", int(j), rank * PER_RANK + int(j)
+    slot, rest = found
+    return f"{fs.EXPERT_PREFIX}{rest}", slot, layout.global_expert(rank, slot)
 
 
 def _state(layer, opt) -> dict[str, dict[str, torch.Tensor]]:
@@ -100,18 +108,19 @@ def _state(layer, opt) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def _findings(got: dict, fresh: dict, everyone: list[dict], rank: int) -> list:
+    layout = ExpertLayout(PER_RANK * len(everyone), len(everyone))
     """(comparison name, Finding) of every local expert slot and gate parameter, every quantity."""
     from moebench.parity import restore
 
     want: dict[str, dict[str, dict]] = {}  # unit name -> quantity -> {global expert or name: tensor}
     for r, held in enumerate(everyone):
         for name, quantities in held.items():
-            unit, _, e = _unit(name, r)
+            unit, _, e = _unit(name, layout, r)
             for q, t in quantities.items():
                 want.setdefault(unit, {}).setdefault(q, {})[unit if e is None else e] = t
     out = []
     for name, quantities in got.items():
-        unit, j, e = _unit(name, rank)
+        unit, j, e = _unit(name, layout, rank)
         for q, t in quantities.items():
             slot = restore.Slot(rank=rank, local=j, unit=unit if e is None else e)
             label = f"restored {unit} {q}" if e is None else f"restored {unit}[expert {e}] {q}"
@@ -119,8 +128,9 @@ def _findings(got: dict, fresh: dict, everyone: list[dict], rank: int) -> list:
     return out
 
 
-def run(ctx, opts, moe_layer_cls, gate_cls) -> list:
+def run(ctx, row: Row, opts) -> list:
     """Every rank: train, save its state dicts, continue (uninterrupted) | a fresh layer loads them, continue."""
+    moe_layer_cls, gate_cls = fs.layer_classes()
     import torch.distributed as dist
 
     from moebench.libraries.resume import restore_comparisons, shared_dir
@@ -149,10 +159,11 @@ def run(ctx, opts, moe_layer_cls, gate_cls) -> list:
     losses = _steps(resumed, resumed_opt, seed, later, r, w)
     for step, got, expected in zip(later, losses, ref_losses):
         out.append(compare(f"loss at step {step + 1} (resumed vs uninterrupted)", torch.tensor(got),
-                           torch.tensor(expected), EXACT, rank=r))
+                           torch.tensor(expected), EXACT, rank=r, group=OUTPUT))
+    layout = ExpertLayout(PER_RANK * w, w)
     for name, p in resumed.named_parameters():
-        unit, _, e = _unit(name, r)
+        unit, _, e = _unit(name, layout, r)
         label = unit if e is None else f"{unit}[expert {e}]"
         out.append(compare(f"{label} after {CONTINUE_STEPS} resumed Adam steps", p.detach(), ref_final[name], EXACT,
-                           rank=r))
+                           rank=r, group=fs.param_group(name) if e is None else EXPERTS))
     return out

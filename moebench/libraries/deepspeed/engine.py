@@ -19,7 +19,7 @@ own: ZeRO 1/2 copy the updated partitions back into it). A clip row asserts that
 reference's unclipped norm exceeds it), a drops row that capacity dropped some routes, else the row
 would be vacuous.
 
-The first step where anything differs is analysed on every rank (ds_mechanisms.py) and the row's
+The first step where anything differs is analysed on every rank (mechanisms.py) and the row's
 diagnosis names the mechanism, ZeRO stage, step and parameter group; what differs later is counted as
 its consequence (diagnose.FIRST_DIVERGENCE).
 """
@@ -33,9 +33,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moebench.libraries.base import Row
-from moebench.libraries.ds_user_config import BINDING_CLIP, clip_loss_multiplier
+from moebench.libraries.deepspeed.names import DIAGNOSIS_GROUP, global_name, group, label
+from moebench.libraries.deepspeed.user_config import BINDING_CLIP, clip_loss_multiplier
+from moebench.libraries.spec import Row, Settings
 from moebench.models.deepspeed_moe import TinyMoENet
+from moebench.parity.diagnosis import OUTPUT, REPLICATED, ROUTER
+from moebench.parity.layout import ExpertLayout
 
 D_MODEL = 8
 D_HIDDEN = 16
@@ -64,8 +67,8 @@ LAYER_OPTIONS = ("top-2", "drops", "residual")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class EngineSettings:
-    """One engine row's DeepSpeed settings (these names are the row's params and JSON fields)."""
+class EngineSettings(Settings):
+    """One engine row's DeepSpeed settings (these names are the row's JSON fields)."""
 
     zero_stage: int
     """ZeRO stage: 0, 1 or 2."""
@@ -87,7 +90,7 @@ class EngineSettings:
     """Optimizer steps."""
     loss_multiplier: float = 1.0
     """The loss is multiplied by this, engine and reference alike: a user's gradient_clipping larger than the
-    small model's gradient norm binds this way (ds_user_config.clip_loss_multiplier)."""
+    small model's gradient norm binds this way (user_config.clip_loss_multiplier)."""
 
     def features(self) -> tuple[str, ...]:
         """The row's features: () plain, else each setting that is not the default."""
@@ -105,14 +108,6 @@ class EngineSettings:
         if self.use_residual:
             out.append("residual")
         return tuple(out)
-
-    def params(self) -> tuple[tuple[str, object], ...]:
-        return tuple((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
-
-    @classmethod
-    def from_params(cls, params) -> EngineSettings:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in dict(params).items() if k in names})
 
 
 def ep_sizes(world_size: int) -> list[int]:
@@ -160,38 +155,11 @@ def row_of(settings: EngineSettings, world_size: int, *, variant: str | None = N
     """The Row of one setting: key deepspeed/engine/zero<S>/ep=<E>/w<W>[/<features>]."""
     features = settings.features()
     return Row(library="deepspeed", model="engine", backend=f"zero{settings.zero_stage}",
-               ep_mode=f"ep={settings.ep_size}", world_size=world_size, features=features,
-               params=settings.params(), variant="+".join(features) if variant is None else variant)
+               ep_mode=f"ep={settings.ep_size}", world_size=world_size, kind="engine", features=features,
+               settings=settings, variant="+".join(features) if variant is None else variant)
 
 
 # ------------------------------------------------------------------ the model
-
-
-EXPERT_PREFIX = "moe.moe.deepspeed_moe.experts.deepspeed_experts."
-
-
-def global_name(name: str, ep_rank: int, local_experts: int) -> str:
-    """A local expert's parameter name -> the same expert's name in the ep_size = 1 model."""
-    if not name.startswith(EXPERT_PREFIX):
-        return name
-    j, _, rest = name[len(EXPERT_PREFIX):].partition(".")
-    return f"{EXPERT_PREFIX}{ep_rank * local_experts + int(j)}.{rest}"
-
-
-def label(name: str) -> str:
-    """A parameter's name in comparisons: "expert 3.0.weight", "gate.wg.weight", "inp.weight"."""
-    if name.startswith(EXPERT_PREFIX):
-        return "expert " + name[len(EXPERT_PREFIX):]
-    return name.replace("moe.moe.deepspeed_moe.gate.", "gate.").replace("moe.moe.", "moe.")
-
-
-def group(name: str) -> str:
-    """The parameter group of a (global) name: experts, gate, dense."""
-    if name.startswith(EXPERT_PREFIX):
-        return "experts"
-    if ".gate." in name:
-        return "gate"
-    return "dense"
 
 
 def _moe_config(s: EngineSettings, experts: int, ep_size: int):
@@ -312,14 +280,14 @@ def run(ctx, row: Row, opts) -> list:
         from moebench.parity.registry import SkipCheck
 
         raise SkipCheck(f"deepspeed is not importable: {exc}") from None
-    from moebench.libraries import ds_mechanisms as mech
+    from moebench.libraries.deepspeed import mechanisms as mech
     from moebench.models.deepspeed_moe import create_expert_groups
     from moebench.parity.checks_deepspeed import group_timeout_s, new_groups_time_out_after
     from moebench.parity.checks_engine import _update_tolerance, quiet_deepspeed
     from moebench.parity.compare import STRICT, assertion, compare
     from moebench.variants.deepspeed.comm import deepspeed_comm
 
-    s = EngineSettings.from_params(row.params)
+    s = row.settings
     r, w = ctx.rank, ctx.world_size
     experts = EXPERTS_PER_RANK * w
     tol = STRICT
@@ -340,11 +308,12 @@ def run(ctx, row: Row, opts) -> list:
             half.moe.moe.set_deepspeed_parallelism()
         create_expert_groups(s.ep_size)
         ep_rank = ds_groups._get_expert_parallel_rank(f"ep_size_{s.ep_size}")
-        local = experts // s.ep_size
+        layout = ExpertLayout(experts, s.ep_size)
         model = TinyMoENet(_moe_config(s, experts, s.ep_size), experts, opts.seed, ep_rank, d_model=D_MODEL)
         engine = _engine(model, s, w)
         names = dict(engine.module.named_parameters())
-        gname = {n: global_name(n, ep_rank, local) for n in names}
+        gname = {n: global_name(n, layout, ep_rank) for n in names}
+        groups = {n: DIAGNOSIS_GROUP[group(gname[n])] for n in names}
         sizes = mech.GroupSizes(world=w, dp=w, ep=s.ep_size, edp=w // s.ep_size, grad_accum=s.grad_accum)
         for step in range(s.steps):
             tag = f"ZeRO {s.zero_stage}, step {step + 1}"
@@ -374,21 +343,22 @@ def run(ctx, row: Row, opts) -> list:
             for m, value in enumerate(losses):
                 what = f"loss, micro-step {m + 1}" if s.grad_accum > 1 else "loss"
                 step_out.append(compare(f"{tag}: {what} (mean over ranks)", value, ref_step.losses[m], tol,
-                                        world_size=w, asserted=asserted))
+                                        world_size=w, asserted=asserted, group=OUTPUT))
             if s.clip > 0:
                 binds = ref_step.norm > s.clip
                 step_out.append(assertion(f"{tag}: clip binds (reference's unclipped global norm "
                                           f"{ref_step.norm:.3g} > gradient_clipping {s.clip:g})", binds,
+                                          group=REPLICATED,
                                           note="" if binds else "the clip does not bind: the row would be vacuous"))
             if s.drop_tokens and step == 0:
                 step_out.append(assertion(f"{tag}: capacity dropped routes ({ref_step.dropped} of "
-                                          f"{ref_step.routes})", ref_step.dropped > 0,
+                                          f"{ref_step.routes})", ref_step.dropped > 0, group=ROUTER,
                                           note="" if ref_step.dropped else "nothing dropped: the row is vacuous"))
             grads, wrong = {}, set()
             for n, g in reduced.items():
                 grads[n] = (g, ref_step.grad[gname[n]])
                 step_out.append(compare(f"{tag}: {label(gname[n])} reduced grad", g, ref_step.grad[gname[n]], tol,
-                                        world_size=w, asserted=asserted))
+                                        world_size=w, asserted=asserted, group=groups[n]))
                 wrong |= set() if step_out[-1].passed or not asserted else {("grad", gname[n])}
             if base_step is not None:
                 step_out.append(_noise_model(tag, reduced, gname, ref_step, base_step, s, w))
@@ -400,7 +370,7 @@ def run(ctx, row: Row, opts) -> list:
             if s.clip > 0 and s.zero_stage > 0 and getattr(engine, "get_global_grad_norm", lambda: None)() is not None:
                 norm = (float(engine.get_global_grad_norm()), ref_step.norm)
                 step_out.append(compare(f"{tag}: global gradient norm", norm[0], norm[1], tol, world_size=w,
-                                        asserted=asserted))
+                                        asserted=asserted, group=REPLICATED))
                 wrong |= set() if step_out[-1].passed or not asserted else {("norm", "")}
             updates, afters = {}, {}
             ref_params = dict(ref.named_parameters())
@@ -413,10 +383,11 @@ def run(ctx, row: Row, opts) -> list:
                 if expected.any():
                     step_out.append(compare(f"{tag}: {label(gname[n])} update applied by the step "
                                             "(-lr x clipped reduced grad)", actual, expected,
-                                            _update_tolerance(before[n].float()), world_size=w, asserted=asserted))
+                                            _update_tolerance(before[n].float()), world_size=w, asserted=asserted,
+                                            group=groups[n]))
                     wrong |= set() if step_out[-1].passed or not asserted else {("update", gname[n])}
                 step_out.append(compare(f"{tag}: {label(gname[n])} after the step", p, ref_params[gname[n]], tol,
-                                        world_size=w, asserted=asserted))
+                                        world_size=w, asserted=asserted, group=groups[n]))
                 wrong |= set() if step_out[-1].passed or not asserted else {("after", gname[n])}
             # bf16: the per-element comparisons only feed the analysis; reported, each would count as a
             # vacuous (unasserted) comparison, while the row is judged by its noise-model assertion.

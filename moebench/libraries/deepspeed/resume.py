@@ -20,16 +20,17 @@ line names the real cause.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-import shutil
 from typing import Any
 
 import torch
 
-from moebench.libraries.base import Row
+from moebench.libraries.deepspeed.names import global_name, local_slot
+from moebench.libraries.resume import shared_dir
+from moebench.libraries.spec import RESUME, Row, Settings
 from moebench.parity.compare import EXACT, Comparison, Tolerance, assertion, compare
+from moebench.parity.layout import ExpertLayout
 from moebench.parity.registry import Refused
 
 SAVE_STEPS = 2
@@ -55,15 +56,15 @@ that is the exact comparison with the uninterrupted run in the same layout."""
 RESUME_CROSS_EP = ONE_PROCESS
 """A load at another ep_size or ZeRO stage continues in another layout, whose reductions sum in another
 order (ZeRO 1 -> 2 measured 5.8e-11 after one step): the same rounding as ONE_PROCESS."""
-EXPERT_PREFIX = "moe.moe.deepspeed_moe.experts.deepspeed_experts."
 TAG = "resume"
 UNIVERSAL_INFO = "universal_checkpoint_info"
 """deepspeed.checkpoint.constants.UNIVERSAL_CHECKPOINT_INFO: the module attribute ds_to_universal requires."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Spec:
-    """A resume row's settings (from Row.params)."""
+class Spec(Settings):
+    """A resume row's settings; its JSON fields, in this order (load_ep_size and load_zero_stage only when the
+    load's layout differs from the save's)."""
 
     zero_stage: int
     """ZeRO stage at the save."""
@@ -73,12 +74,21 @@ class Spec:
     """ep_size at the load."""
     load_zero_stage: int
     """ZeRO stage at the load."""
-    load_optimizer_states: bool = True
-    """`load_checkpoint(load_optimizer_states=...)`."""
+    grad_accum: int = 1
+    clip: float = 0.0
+    precision: str = "fp32"
+    top_k: int = 1
+    drop_tokens: bool = False
+    use_residual: bool = False
+    """The engine settings the resume rows keep at their defaults (the engine rows vary them)."""
+    steps: int = SAVE_STEPS + CONTINUE_STEPS
+    """Optimizer steps of the uninterrupted run."""
     elastic: bool = False
     """zero_optimization.elastic_checkpoint at save and load."""
     data_before_expert: bool = False
     """use_data_before_expert_parallelism (the D + E rank layout)."""
+    load_optimizer_states: bool = True
+    """`load_checkpoint(load_optimizer_states=...)`."""
     universal: bool = False
     """Convert with ds_to_universal, load with checkpoint.load_universal."""
     save_steps: int = SAVE_STEPS
@@ -86,13 +96,9 @@ class Spec:
     continue_steps: int = CONTINUE_STEPS
     """Steps after the load."""
 
-    @classmethod
-    def of(cls, row: Row) -> Spec:
-        p = dict(row.params)
-        return cls(zero_stage=p["zero_stage"], ep_size=p["ep_size"], load_ep_size=p.get("load_ep_size", p["ep_size"]),
-                   load_zero_stage=p.get("load_zero_stage", p["zero_stage"]),
-                   **{f: p[f] for f in ("load_optimizer_states", "elastic", "data_before_expert", "universal",
-                                        "save_steps", "continue_steps") if f in p})
+    def fields(self) -> dict[str, Any]:
+        same = {"load_ep_size": self.ep_size, "load_zero_stage": self.zero_stage}
+        return {k: v for k, v in super().fields().items() if k not in same or v != same[k]}
 
 
 # ------------------------------------------------------------------ the rows
@@ -104,22 +110,15 @@ def _row(world: int, *, stage: int, ep: int, load_ep: int | None = None, load_st
          opt: bool = True, elastic: bool = False, dbe: bool = False, universal: bool = False) -> Row:
     load_ep = ep if load_ep is None else load_ep
     load_stage = stage if load_stage is None else load_stage
-    params: list[tuple[str, Any]] = [("zero_stage", stage), ("ep_size", ep)]
-    if load_ep != ep:
-        params.append(("load_ep_size", load_ep))
-    if load_stage != stage:
-        params.append(("load_zero_stage", load_stage))
-    params += [("grad_accum", 1), ("clip", 0.0), ("precision", "fp32"), ("top_k", 1), ("drop_tokens", False),
-               ("use_residual", False), ("steps", SAVE_STEPS + CONTINUE_STEPS), ("elastic", elastic),
-               ("data_before_expert", dbe), ("load_optimizer_states", opt), ("universal", universal),
-               ("save_steps", SAVE_STEPS), ("continue_steps", CONTINUE_STEPS)]
+    spec = Spec(zero_stage=stage, ep_size=ep, load_ep_size=load_ep, load_zero_stage=load_stage, elastic=elastic,
+                data_before_expert=dbe, load_optimizer_states=opt, universal=universal)
     features = ("resume", *(["elastic"] if elastic else []), *(["universal"] if universal else []),
                 *(["data-before-expert"] if dbe else []), *([] if opt else ["no-optimizer-state"]))
     model = "resume" + "".join(f"+{SHORT[f]}" for f in features[1:])
     backend = f"zero{stage}" + (f"to{load_stage}" if load_stage != stage else "")
     ep_mode = f"ep={ep}" + (f"to{load_ep}" if load_ep != ep else "")
-    return Row(library="deepspeed", model=model, backend=backend, ep_mode=ep_mode, world_size=world,
-               features=features, params=tuple(params), variant="resume")
+    return Row(library="deepspeed", model=model, backend=backend, ep_mode=ep_mode, world_size=world, kind=RESUME,
+               features=features, settings=spec, variant="resume")
 
 
 SHORT = {"elastic": "elastic", "universal": "universal", "data-before-expert": "dbe", "no-optimizer-state": "noopt"}
@@ -296,28 +295,14 @@ def state_of(engine, stage: int) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
-def _local_expert(name: str) -> int | None:
-    if not name.startswith(EXPERT_PREFIX):
-        return None
-    return int(name[len(EXPERT_PREFIX):].split(".", 1)[0])
-
-
-def _global_name(name: str, ep_rank: int, n_local: int) -> str:
-    j = _local_expert(name)
-    if j is None:
-        return name
-    rest = name[len(EXPERT_PREFIX):].split(".", 1)[1]
-    return f"{EXPERT_PREFIX}{ep_rank * n_local + j}.{rest}"
-
-
-def by_unit(state: dict[str, dict[str, torch.Tensor]], ep_rank: int, n_local: int
+def by_unit(state: dict[str, dict[str, torch.Tensor]], layout: ExpertLayout, ep_rank: int
             ) -> dict[int | str, dict[str, torch.Tensor]]:
     """Per unit (global expert index, or dense parameter name): each quantity as one flat tensor (an
     expert's parameters concatenated in name order; steps: the largest)."""
     grouped: dict[int | str, list[dict[str, torch.Tensor]]] = {}
     for name in sorted(state):
-        j = _local_expert(name)
-        unit: int | str = name if j is None else ep_rank * n_local + j
+        j = local_slot(name)
+        unit: int | str = name if j is None else layout.global_expert(ep_rank, j)
         grouped.setdefault(unit, []).append(state[name])
     out: dict[int | str, dict[str, torch.Tensor]] = {}
     for unit, parts in grouped.items():
@@ -340,24 +325,6 @@ def _gather_units(units: dict[int | str, dict[str, torch.Tensor]]) -> dict[int |
 
 
 # ------------------------------------------------------------------ the row
-@contextlib.contextmanager
-def shared_dir(ctx):
-    """A temporary folder every rank sees (rank 0 makes it under moebench's temp prefix and removes it)."""
-    import torch.distributed as dist
-
-    from moebench import tempdirs
-
-    path = [str(tempdirs.make("ds-resume")) if ctx.rank == 0 else None]
-    dist.broadcast_object_list(path, src=0)
-    try:
-        yield path[0]
-    finally:
-        with contextlib.suppress(Exception):
-            dist.barrier()
-        if ctx.rank == 0:
-            shutil.rmtree(path[0], ignore_errors=True)
-
-
 def real_cause(spec: Spec) -> str:
     """What makes a load of this row impossible, as the user would need to hear it ("" when nothing does)."""
     if spec.load_zero_stage != spec.zero_stage:
@@ -428,25 +395,28 @@ def _convert_universal(ctx, folder: str) -> str | None:
     return _agree(error)
 
 
-def run_resume_row(ctx, row: Row, opts) -> list[Comparison]:
+def run(ctx, row: Row, opts) -> list[Comparison]:
     """Runs on every rank: the row's save -> load -> continue, compared (see the module's docstring)."""
     from moebench.parity.checks_deepspeed import group_timeout_s, new_groups_time_out_after
     from moebench.parity.checks_engine import quiet_deepspeed
     from moebench.variants.deepspeed.comm import deepspeed_comm
 
-    spec = Spec.of(row)
     with new_groups_time_out_after(group_timeout_s(opts.timeout_s)), \
             deepspeed_comm(ctx, compiled_ops=False, timeout_s=opts.timeout_s), quiet_deepspeed(), \
-            shared_dir(ctx) as folder:
-        out = _resume(ctx, spec, opts.seed, folder)
+            shared_dir("ds-resume") as folder:
+        out = _resume(ctx, row.settings, opts.seed, str(folder))
     for c in out:
         c.rank = ctx.rank
     return out
 
 
-def _global_params(engine, ep_rank: int, n_local: int, *, gather: bool) -> dict[str, torch.Tensor]:
+def _layout(spec: Spec, world: int, ep: int) -> ExpertLayout:
+    return ExpertLayout(EXPERTS_PER_RANK * world, ep, data_before_expert=spec.data_before_expert)
+
+
+def _global_params(engine, layout: ExpertLayout, ep_rank: int, *, gather: bool) -> dict[str, torch.Tensor]:
     """The engine's parameters by their name in the one-process model (every rank's, when `gather`)."""
-    own = {_global_name(n, ep_rank, n_local): p.detach().clone() for n, p in engine.module.named_parameters()}
+    own = {global_name(n, layout, ep_rank): p.detach().clone() for n, p in engine.module.named_parameters()}
     if not gather:
         return own
     import torch.distributed as dist
@@ -473,9 +443,9 @@ def _resume(ctx, spec: Spec, seed: int, folder: str) -> list[Comparison]:
     out: list[Comparison] = []
     # A: the uninterrupted run in the save layout; its state at the save point, then m more steps
     a = _build(ctx, spec, ep=spec.ep_size, stage=spec.zero_stage, seed=seed)
-    a_rank, a_local = _ep_rank(spec.ep_size), EXPERTS_PER_RANK * w // spec.ep_size
+    a_rank, a_layout = _ep_rank(spec.ep_size), _layout(spec, w, spec.ep_size)
     _train(a, seed, range(k), r, w)
-    want = _gather_units(by_unit(state_of(a, spec.zero_stage), a_rank, a_local))
+    want = _gather_units(by_unit(state_of(a, spec.zero_stage), a_layout, a_rank))
     if spec.universal:  # the converter needs "universal_checkpoint_info"; with MoE layers the engine writes
         # the module's attribute (client_state may not carry the key); no tensor parallelism: empty
         setattr(a.module, UNIVERSAL_INFO, {})
@@ -487,14 +457,14 @@ def _resume(ctx, spec: Spec, seed: int, folder: str) -> list[Comparison]:
     a_losses, a_params = [], []
     for step in range(k, k + m):
         a_losses += _train(a, seed, range(step, step + 1), r, w)
-        a_params.append(_global_params(a, a_rank, a_local, gather=not same_layout))
+        a_params.append(_global_params(a, a_layout, a_rank, gather=not same_layout))
     if spec.ep_size != 1:  # the one-process reference of the uninterrupted run
         out += _against_one_process(ctx, spec, seed, a_losses, a_params)
     # B: fresh (another seed) in the load layout, then the load
     b = _build(ctx, spec, ep=spec.load_ep_size, stage=spec.load_zero_stage, seed=seed + FRESH_SEED_OFFSET,
                universal=spec.universal)
-    b_rank, b_local = _ep_rank(spec.load_ep_size), EXPERTS_PER_RANK * w // spec.load_ep_size
-    fresh = by_unit(state_of(b, spec.load_zero_stage), b_rank, b_local)
+    b_rank, b_layout = _ep_rank(spec.load_ep_size), _layout(spec, w, spec.load_ep_size)
+    fresh = by_unit(state_of(b, spec.load_zero_stage), b_layout, b_rank)
     error = _load(b, spec, folder)
     if error:
         # a load in another layout refused: does the same checkpoint load at its save layout? (the control)
@@ -504,13 +474,13 @@ def _resume(ctx, spec: Spec, seed: int, folder: str) -> list[Comparison]:
                            universal=spec.universal)
             control = _load(saved, spec, folder) or ""
         raise Refused(refusal_sentence(spec, error, control))
-    got = by_unit(state_of(b, spec.load_zero_stage), b_rank, b_local)
+    got = by_unit(state_of(b, spec.load_zero_stage), b_layout, b_rank)
     quantities = [restore.WEIGHTS] + ([restore.FP32_MASTER] if spec.load_zero_stage else [])
     if spec.load_optimizer_states:
         quantities += [restore.EXP_AVG, restore.EXP_AVG_SQ, restore.STEP]
     findings = []
     for unit in sorted(got, key=lambda u: (isinstance(u, str), u)):
-        slot = restore.Slot(rank=r, local=None if isinstance(unit, str) else unit - b_rank * b_local, unit=unit)
+        slot = restore.Slot(rank=r, local=None if isinstance(unit, str) else b_layout.home(unit)[1], unit=unit)
         for q in quantities:
             findings.append(restore.identify(slot, q, got[unit][q], {u: s[q] for u, s in want.items()},
                                              fresh[unit][q]))
@@ -534,7 +504,7 @@ def _resume(ctx, spec: Spec, seed: int, folder: str) -> list[Comparison]:
                                  note=f"raised {type(exc).__name__}: {_first_line(str(exc))}"))
             return out
         out.append(compare(f"continued step {i + 1}: loss", loss, a_losses[i], tol, world_size=w))
-        for name, p in _global_params(b, b_rank, b_local, gather=False).items():
+        for name, p in _global_params(b, b_layout, b_rank, gather=False).items():
             out.append(compare(f"continued step {i + 1}: {name}", p, a_params[i][name], tol, world_size=w))
     return out
 
@@ -562,7 +532,7 @@ def _against_one_process(ctx, spec: Spec, seed: int, a_losses, a_params) -> list
         loss = _train(c, seed, range(step, step + 1), r, w)[0]
         out.append(compare(f"uninterrupted vs one process, step {k + i + 1}: loss", a_losses[i], loss,
                            ONE_PROCESS, world_size=w))
-        ref = _global_params(c, 0, EXPERTS_PER_RANK * w, gather=False)  # every expert on every rank
+        ref = _global_params(c, _layout(spec, w, 1), 0, gather=False)  # every expert on every rank
         for name, p in a_params[i].items():
             out.append(compare(f"uninterrupted vs one process, step {k + i + 1}: {name}", p, ref[name],
                                ONE_PROCESS, world_size=w))

@@ -1,9 +1,16 @@
-"""The conformance matrix and the library list as plain text, at most WIDTH columns."""
+"""A library run's row records (what the console, `--json` and the report read) and their plain-text forms.
+
+`rows_of(summary)` turns the checks that are library rows into one record each: the row's labels and settings
+(spec.Row.labels), its check name, verdict, diagnosis and time. `conformance` prints them at most WIDTH columns
+wide; `library_list` prints `--list`'s libraries.
+"""
 
 from __future__ import annotations
 
 import textwrap
 from typing import Any
+
+from moebench.parity.diagnosis import RESTORE_NAMES
 
 WIDTH = 80
 """Console width every line fits (the project's rule)."""
@@ -88,3 +95,26 @@ def library_list(statuses: list, width: int = WIDTH) -> str:
         out.append((head + wrapped[0]).rstrip())
         out += [" " * indent + more for more in wrapped[1:]]
     return "\n".join(out)
+
+
+def rows_of(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The conformance rows of a summary: every check that is a library row, with its verdict."""
+    rows = []
+    for c in summary["checks"]:
+        if not c.get("labels"):
+            continue
+        d = c.get("diagnosis")
+        why = d["sentence"] if d else c.get("reason", "") if c["status"] != "pass" else ""
+        first = (d or {}).get("details", {}).get("first") or {}
+        if first.get("sentence") and first["sentence"] not in why:  # the first wrong tensor: the maintainer's lead
+            # (a restore diagnosis names its slots itself: "rank 1, local slot 0 holds ...")
+            why = f"{why}; {'' if d['name'] in RESTORE_NAMES else 'it '}{first['sentence']}"
+        rows.append({**c["labels"], "features": list(c["labels"].get("features", ())), "check": c["name"],
+                     "verdict": c["status"], "diagnosis": (f"{d['name']}: {why}" if d else why) or None,
+                     "diagnosis_name": d["name"] if d else None, "elapsed_s": c["elapsed_s"]})
+    return rows
+
+
+def with_rows(summary: dict[str, Any]) -> dict[str, Any]:
+    """The summary with its "rows" (for verify_parity's `decorate`)."""
+    return {**summary, "rows": rows_of(summary)}

@@ -1,12 +1,13 @@
-"""DeepSpeed: its MoE layer (the existing `deepspeed-moe-ep` check, shown as a row) and its engine
-(ds_engine.py: one row per ZeRO stage x ep_size x feature, against a one-process reference).
+"""DeepSpeed: its MoE layer (the existing `deepspeed-moe-ep` check, shown as a row) and its engine, against one
+process. The package's files, each one role (docs/adding-a-library.md):
 
-- `moe.layer.MoE`, ep_size = W vs ep_size = 1, top-1 and top-2 with a residual expert: the
-  `deepspeed-moe-ep` check (moebench/parity/checks_deepspeed.py), its comparisons and diagnoses;
-- `engine`, ZeRO 0/1/2 x every ep_size dividing W x (plain, grad-accum, clip, bf16, and the layer
-  options top-2 / drops / residual at ep_size = W): ds_engine.matrix(); with a user's config
-  (`user_config`), one row per ep_size with the user's settings instead.
-  With `resume` (--resume), the save -> load -> continue rows of ds_resume.py are added.
+- __init__.py: the adapter (identity, rows, runners, release handling: which copy imports, its version);
+- engine.py: the engine rows (ZeRO 0/1/2 x every ep_size dividing W x one feature at a time: grad-accum, clip,
+  bf16, and the layer options top-2 / drops / residual at ep_size = W) and their one-process reference;
+- mechanisms.py: the mechanism behind an engine row's first divergence;
+- resume.py: the save -> load -> continue rows (--resume);
+- user_config.py: a user's DeepSpeed config (--ds-config) as the engine rows' settings;
+- repro.py: the settings of an engine or resume row's standalone reproduction script (libraries/repro).
 """
 
 from __future__ import annotations
@@ -19,18 +20,17 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
-from moebench.libraries.base import InstalledLibrary, Row
-from moebench.parity.registry import load_all
+from moebench.libraries.spec import RESUME, Adapter, Row
 
 MIN_WORLD_SIZE = 2
-"""Both wrapped checks compare ep_size = W with ep_size = 1: one rank has nothing to compare."""
-ROWS = (
-    # (model, backend, features, the check it runs)
-    ("moe.layer.MoE", "-", ("top-1", "top-2+residual"), "deepspeed-moe-ep"),
-)
-"""Rows that run an existing check (the engine rows are ds_engine's: they supersede deepspeed-engine-ep)."""
+"""Every row compares ep_size = W (or some ep_size > 1) with ep_size = 1: one rank has nothing to compare."""
+LAYER = "layer"
+"""Row kind of the layer row: `moe.layer.MoE` at ep_size = W vs ep_size = 1, top-1 and top-2 with a residual
+expert, which is the `deepspeed-moe-ep` check (moebench/parity/checks_deepspeed.py) shown as a row."""
+LAYER_CHECK = "deepspeed-moe-ep"
+ENGINE = "engine"
+"""Row kind of the engine rows (engine.py; they supersede the deepspeed-engine-ep check)."""
 
 IMPORT_PROBE_TIMEOUT_S = 120.0
 """Bound on the import probe (`import deepspeed` and its MoE layer in a child): a cold import of a
@@ -49,11 +49,12 @@ PRELOAD = (
     "deepspeed.checkpoint.ds_to_universal",  # the universal resume rows' converter
     "deepspeed.ops.op_builder.all_ops",  # init_distributed's op probe (imports setuptools)
     "deepspeed.comm.mori",  # init_distributed (0.19)
-    "moebench.variants.deepspeed.comm", "moebench.libraries.ds_engine", "moebench.libraries.ds_mechanisms",
-    "moebench.libraries.ds_resume",
+    "moebench.variants.deepspeed.comm", "moebench.libraries.deepspeed.engine",
+    "moebench.libraries.deepspeed.mechanisms", "moebench.libraries.deepspeed.resume",
 )
 """Modules a row's ranks would otherwise each import lazily, at every row: ~1,500 modules, 4.1 of a
-4.4 s engine row at W = 4 (measured on 0.19.8). Forked ranks inherit them from the parent."""
+4.4 s engine row at W = 4 (measured on 0.19.8). Forked ranks inherit them from the parent. Of these, only
+what the installed release has is imported (moebench.preload): 0.14 has no Muon, no AutoEP, no mori."""
 
 
 def source_version(package_dir: Path) -> str | None:
@@ -88,15 +89,21 @@ def _import_problem(origin: str) -> str | None:
     return f"does not import here: {re.sub(r' ?[(]/[^)]*[)]', '', last)}"  # without the "(/path/file.py)"
 
 
-class DeepSpeed(InstalledLibrary):
+def _run_layer(ctx, row: Row, opts) -> list:
+    from moebench.parity.registry import load_all
+
+    return load_all()[LAYER_CHECK].rank_fn(ctx, opts)
+
+
+class DeepSpeed(Adapter):
     name = "deepspeed"
     import_name = "deepspeed"
     extra = "deepspeed"
     dist_name = "deepspeed"
     catches = "DeepSpeed expert parallelism (its MoE layer or its engine) that differs from ep_size = 1"
-
     preload = PRELOAD
-    """Imported once in the parent before each row's ranks fork (of it, what this release has: moebench.preload)."""
+    runners = {LAYER: _run_layer, ENGINE: "moebench.libraries.deepspeed.engine:run",
+               RESUME: "moebench.libraries.deepspeed.resume:run"}
 
     def version(self) -> str | None:
         """The version of the DeepSpeed that `import deepspeed` loads: the distribution's metadata when
@@ -115,52 +122,35 @@ class DeepSpeed(InstalledLibrary):
         return source_version(origin.parent)
 
     def unavailable(self) -> str | None:
-        if super().unavailable():  # a dependency of moebench itself, not an extra
+        if importlib.util.find_spec(self.import_name) is None:  # a dependency of moebench itself, not an extra
             return "not installed: pip install -c moebench/constraints.txt deepspeed (a moebench dependency)"
         return _import_problem(importlib.util.find_spec(self.import_name).origin)
 
-    def rows(self, world_size: int, user_config: dict[str, Any] | None = None, *,
-             resume: bool = False) -> list[Row]:
+    def rows(self, world_size: int, *, resume: bool = False, user_config=None) -> list[Row]:
         """The matrix at `world_size`; with `user_config` (zero_stage / clip / grad_accum / precision from
         a user's DeepSpeed config) one engine row per ep_size dividing W with those settings instead."""
-        from moebench.libraries import ds_engine
+        from moebench.libraries.deepspeed import engine
 
         if world_size < MIN_WORLD_SIZE:
             return []
         if user_config is not None:
-            rows = [ds_engine.row_of(s, world_size, variant="ds-config")
-                    for s in ds_engine.user_rows_settings(world_size, user_config)]
+            rows = [engine.row_of(s, world_size, variant="ds-config")
+                    for s in engine.user_rows_settings(world_size, dict(user_config))]
         else:
-            rows = [Row(library=self.name, model=model, backend=backend, ep_mode=f"ep={world_size}",
-                        world_size=world_size, features=features) for model, backend, features, _ in ROWS]
-            rows += [ds_engine.row_of(s, world_size) for s in ds_engine.matrix(world_size)]
+            rows = [Row(library=self.name, model="moe.layer.MoE", backend="-", ep_mode=f"ep={world_size}",
+                        world_size=world_size, kind=LAYER, features=("top-1", "top-2+residual"))]
+            rows += [engine.row_of(s, world_size) for s in engine.matrix(world_size)]
         if resume:
-            from moebench.libraries.ds_resume import resume_rows
+            from moebench.libraries.deepspeed.resume import resume_rows
 
             rows += resume_rows(world_size)
         return rows
 
-    def run_row(self, ctx, row: Row, opts) -> list:
-        if "resume" in row.features:
-            from moebench.libraries.ds_resume import run_resume_row
-
-            return run_resume_row(ctx, row, opts)
-        if row.model == "engine":
-            from moebench.libraries import ds_engine
-
-            return ds_engine.run(ctx, row, opts)
-        check = next(check for model, backend, _, check in ROWS if (model, backend) == (row.model, row.backend))
-        return load_all()[check].rank_fn(ctx, opts)
-
     def repro_script(self, row: Row, seed: int) -> str | None:
-        """A standalone script reproducing an engine or a resume row (repro.py); None for the others."""
-        if "resume" in row.features:
-            from moebench.libraries.ds_resume_repro import repro_script
+        """A standalone script reproducing an engine or a resume row (repro.py); None for the layer row."""
+        from moebench.libraries.deepspeed import repro
 
-            return repro_script(row, seed)
-        from moebench.libraries.repro import deepspeed_engine_script
-
-        return deepspeed_engine_script(row, seed)
+        return repro.script(row, seed)
 
 
 ADAPTER = DeepSpeed()

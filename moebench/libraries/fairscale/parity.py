@@ -1,28 +1,5 @@
-"""fairscale: `MOELayer` with `Top2Gate` and its `_AllToAll`, experts spread over the ranks, vs one
-process with identical weights.
-
-What runs on each of the W ranks is what fairscale's users write: `MOELayer(Top2Gate(d_model, E),
-ModuleList(this rank's experts))` over the default group (gloo), each rank on its own tokens.
-fairscale leaves gradient synchronisation to the user, and marks expert parameters `p.expert = True`
-so a data-parallel wrapper can skip them; `sync_gradients` below is that wrapper: parameters not
-marked are averaged over the ranks (DDP's convention), marked ones already hold the sum over every
-rank's tokens (the backward all-to-all brought them) and are divided by W. W ranks then train like
-one process on the global batch.
-
-The reference is plain math on one process, written independently of fairscale: softmax gate, top-1
-by argmax, top-2 by argmax over the logits plus the same Gumbel noise (drawn from the same seed),
-GShard's capacity 2S/E with first-come slots and kept gates renormalised, every expert on every token,
-the kept ones mixed. fairscale's capacity is PER RANK (S is the rank's token count; its queue order
-is the rank's), so the reference gates each rank's tokens separately, exactly as that rank does, and
-sums over ranks for the loss: the one-process model of W ranks, not of one rank holding the whole
-batch (that would keep other tokens).
-
-Compared on every rank, for STEPS plain SGD steps from identical weights: the loss, the output,
-the input gradient, the gate's gradient, every expert's gradient by its GLOBAL expert index and
-fairscale's own parameter name, and the weights after each step (each step then restarts from the
-reference's weights, so a wrong gradient is named as itself, not as everything wrong after it).
-The auxiliary loss `l_aux` is not part of the loss.
-"""
+"""A fairscale row, on every rank: `MOELayer(Top2Gate, this rank's experts)` over the ranks against the reference,
+plain math on one process (the package's __init__ has the whole story), STEPS SGD steps."""
 
 from __future__ import annotations
 
@@ -30,9 +7,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moebench.libraries.base import InstalledLibrary, Row
+from moebench.libraries.spec import Row
 from moebench.parity.compare import SEED_ALLCLOSE_DEFAULT, STRICT, compare, of_terms, pick
 from moebench.parity.diagnose import mispaired_scores, no_backward_exchange, rank_local
+from moebench.parity.diagnosis import EXPERTS, INPUT_GRAD, OUTPUT, REPLICATED, ROUTER
+from moebench.parity.layout import ExpertLayout
 from moebench.parity.registry import SkipCheck
 
 D_MODEL = 8
@@ -41,7 +20,8 @@ TOKENS_PER_EXPERT = 4  # tokens per rank = 4 x E: top2gating needs S % E == 0; c
 STEPS = 3
 LR = 0.5
 TOKEN_SCALE = 4.0  # |randn(8)| ~ 2.8: a steered token's top-1 is the expert it points at
-EXPERTS_PER_RANK = (1, 2)
+EXPERT_PREFIX = "experts."
+"""MOELayer names its experts "experts.<local slot>.<rest>"."""
 
 
 class FFN(nn.Module):
@@ -76,7 +56,7 @@ def _gumbel(shape: tuple, seed: int) -> torch.Tensor:
     return torch.distributions.gumbel.Gumbel(torch.tensor(0.0), torch.tensor(1.0)).rsample(shape)
 
 
-def _noise_seed(seed: int, step: int, rank: int) -> int:
+def noise_seed(seed: int, step: int, rank: int) -> int:
     return seed * 10_000 + step * 100 + rank
 
 
@@ -117,63 +97,36 @@ def reference(params: dict, x: torch.Tensor, noise: torch.Tensor, experts: int,
     return w1[:, None] * every[rows, first] + w2[:, None] * every[rows, second]
 
 
-class Fairscale(InstalledLibrary):
-    name = "fairscale"
-    import_name = "fairscale"
-    extra = "fairscale"
-    dist_name = "fairscale"
-    catches = ("a fairscale MOELayer whose all-to-all, gate or gradient sync leaves outputs or "
-               "gate/expert gradients different from one process")
-
-    def rows(self, world_size: int, *, resume: bool = False) -> list[Row]:
-        rows = [Row(library=self.name, model="top2gate", backend="-", ep_mode=_ep_mode(n),
-                    world_size=world_size, features=("loss-curve",)) for n in EXPERTS_PER_RANK]
-        if resume:  # a state_dict round trip (fairscale_resume.py)
-            from moebench.libraries.fairscale_resume import PER_RANK, resume_row
-
-            rows.append(resume_row(world_size, _ep_mode(PER_RANK)))
-        return rows
-
-    def run_row(self, ctx, row: Row, opts) -> list:
-        try:
-            from fairscale.nn.moe import MOELayer, Top2Gate
-        except ImportError as exc:
-            raise SkipCheck(f"fairscale does not import: {exc}") from None
-        if "resume" in row.features:
-            from moebench.libraries import fairscale_resume
-
-            return fairscale_resume.run(ctx, opts, MOELayer, Top2Gate)
-        per_rank = next(n for n in EXPERTS_PER_RANK if _ep_mode(n) == row.ep_mode)
-        return run(ctx, opts, per_rank, MOELayer, Top2Gate)
-
-    def repro_script(self, row: Row, seed: int) -> str:
-        """A standalone script reproducing the row over gloo vs one process (libraries/repro.py)."""
-        from moebench.libraries.repro import fill
-
-        per_rank = next(n for n in EXPERTS_PER_RANK if _ep_mode(n) == row.ep_mode)
-        return fill("fairscale_moe", {"experts_per_rank": per_rank, "world_size": row.world_size, "seed": seed,
-                                      "steps": STEPS}, key=row.key())
+def layer_classes():
+    """fairscale's (MOELayer, Top2Gate), or a skip when fairscale does not import here."""
+    try:
+        from fairscale.nn.moe import MOELayer, Top2Gate
+    except ImportError as exc:
+        raise SkipCheck(f"fairscale does not import: {exc}") from None
+    return MOELayer, Top2Gate
 
 
-def _ep_mode(per_rank: int) -> str:
-    """"a2a-E=W" (one expert per rank), "a2a-E=2W" (two): MOELayer's all-to-all over E experts."""
-    return f"a2a-E={'' if per_rank == 1 else per_rank}W"
-
-
-def _global_name(local: str, rank: int, per_rank: int) -> tuple[str, int | None]:
-    """MOELayer's "experts.<i>.rest" on `rank` -> ("experts.<global>.rest", global index); others as is."""
-    if not local.startswith("experts."):
+def global_name(local: str, layout: ExpertLayout, rank: int) -> tuple[str, int | None]:
+    """MOELayer's "experts.<slot>.rest" on `rank` -> ("experts.<global>.rest", global expert); others as is."""
+    found = layout.split_name(local, EXPERT_PREFIX)
+    if found is None:
         return local, None
-    _, i, rest = local.split(".", 2)
-    g = rank * per_rank + int(i)
-    return f"experts.{g}.{rest}", g
+    e = layout.global_expert(rank, found[0])
+    return f"{EXPERT_PREFIX}{e}.{found[1]}", e
 
 
-def run(ctx, opts, per_rank: int, moe_layer_cls, gate_cls) -> list:
+def param_group(name: str) -> str:
+    return EXPERTS if name.startswith(EXPERT_PREFIX) else ROUTER if name.startswith("gate.") else REPLICATED
+
+
+def run(ctx, row: Row, opts) -> list:
     """Every rank: fairscale's layer over the ranks vs the reference, STEPS SGD steps."""
+    moe_layer_cls, gate_cls = layer_classes()
+    per_rank = row.settings.experts_per_rank
     tol, asserted = pick(opts.tolerance, strict=STRICT, seed=SEED_ALLCLOSE_DEFAULT)
     r, w = ctx.rank, ctx.world_size
     experts = per_rank * w
+    layout = ExpertLayout(experts, w)
     tokens = TOKENS_PER_EXPERT * experts
     torch.manual_seed(opts.seed)
     gate = gate_cls(D_MODEL, experts)
@@ -199,10 +152,10 @@ def run(ctx, opts, per_rank: int, moe_layer_cls, gate_cls) -> list:
         rows = params["gate.wg.weight"].detach()
         for e in range(experts):  # every rank sends every expert a slot: no zero-vs-zero expert gradient
             x_all[:, e] = TOKEN_SCALE * rows[e] / rows[e].norm()
-        noise = [_gumbel((tokens, experts), _noise_seed(opts.seed, step, s)) for s in range(w)]
+        noise = [_gumbel((tokens, experts), noise_seed(opts.seed, step, s)) for s in range(w)]
 
         x = x_all[r].clone().requires_grad_(True)
-        torch.manual_seed(_noise_seed(opts.seed, step, r))  # top2gating draws its noise here
+        torch.manual_seed(noise_seed(opts.seed, step, r))  # top2gating draws its noise here
         y = layer(x.view(2, tokens // 2, D_MODEL)).reshape(tokens, D_MODEL)
         loss = (y * weights[r]).mean()
         loss.backward()
@@ -224,32 +177,34 @@ def run(ctx, opts, per_rank: int, moe_layer_cls, gate_cls) -> list:
             mispaired = reference(params, x_all[r], noise[r], experts, swapped=True)
         # The output first: a forward bug is named from it (a scalar loss only ever fits a scale).
         results.append(compare(prefix + "output", y.detach(), y_ref[r].detach(), tol, asserted=asserted,
-                               alternatives={"scores mispaired": mispaired_scores(mispaired)}))
+                               alternatives={"scores mispaired": mispaired_scores(mispaired)}, group=OUTPUT))
         terms = float((y_ref[r].detach() * weights[r]).abs().mean())  # the loss: a mean of products of both signs
         results.append(compare(prefix + "loss", loss.detach(), losses[r].detach(), of_terms(tol, terms),
-                               asserted=asserted))
+                               asserted=asserted, group=OUTPUT))
         results.append(compare(prefix + "input grad", x.grad, big_x.grad[r] * w, tol, asserted=asserted,
-                               alternatives=wrong_input))
+                               alternatives=wrong_input, group=INPUT_GRAD))
         for name, p in layer.named_parameters():
-            ref_name, e = _global_name(name, r, per_rank)
+            ref_name, e = global_name(name, layout, r)
             label = name if e is None else f"{name} (expert {e})"
             got = p.grad if p.grad is not None else torch.zeros_like(p)
             results.append(compare(f"{prefix}grad {label}", got, params[ref_name].grad, tol, asserted=asserted,
-                                   world_size=w, alternatives={"rank-local": rank_local(alone[ref_name])}))
+                                   world_size=w, alternatives={"rank-local": rank_local(alone[ref_name])},
+                                   group=param_group(name)))
         with torch.no_grad():
             for p in list(layer.parameters()) + list(params.values()):
                 if p.grad is not None:
                     p -= LR * p.grad
                 p.grad = None
         for name, p in layer.named_parameters():
-            ref_name, e = _global_name(name, r, per_rank)
+            ref_name, e = global_name(name, layout, r)
             label = name if e is None else f"{name} (expert {e})"
-            results.append(compare(f"{prefix}{label} after SGD", p, params[ref_name], tol, asserted=asserted))
+            results.append(compare(f"{prefix}{label} after SGD", p, params[ref_name], tol, asserted=asserted,
+                                   group=param_group(name)))
         # The next step starts from the reference's weights: each step is judged on its own, so one
         # wrong gradient shows as that gradient, not as everything wrong from the next step on.
         with torch.no_grad():
             for name, p in layer.named_parameters():
-                p.copy_(params[_global_name(name, r, per_rank)[0]])
+                p.copy_(params[global_name(name, layout, r)[0]])
     return results
 
 
@@ -266,6 +221,3 @@ def _rank_grads(params, x, weights, noise, experts) -> dict:
     loss = (reference(params, x.detach(), noise, experts) * weights).mean()
     grads = torch.autograd.grad(loss, [params[n] for n in names], allow_unused=True)
     return {n: torch.zeros_like(params[n]) if gr is None else gr for n, gr in zip(names, grads)}
-
-
-ADAPTER = Fairscale()

@@ -1,26 +1,4 @@
-"""The standalone reproduction of a DeepSpeed resume row (`verify-parity --repro`).
-
-`repro_script(row, seed)` returns the source of one script (stdlib + torch + deepspeed; never moebench)
-that starts the row's gloo ranks on the CPU, trains SAVE_STEPS steps with torch's Adam, saves, loads into
-a fresh engine built from another seed (in the row's load layout), and compares every expert slot's and
-dense parameter's weights, fp32 master, Adam exp_avg / exp_avg_sq / step bit for bit with the state at
-the save point. It prints expected vs actual for the first slot that differs (and whose state it holds),
-exits 1 when one does, 0 when everything was restored, 2 on a setup error or a refused load, and never
-hangs (process-group timeout, and an overall deadline after which the ranks are killed).
-"""
-
-from __future__ import annotations
-
-import json
-
-from moebench.libraries import ds_resume
-from moebench.libraries.base import Row
-
-DEADLINE_S = 300
-"""The script's overall deadline (seconds): its ranks are killed after it, and it exits 2."""
-
-TEMPLATE = r'''#!/usr/bin/env python3
-"""Reproduce __KEY__: DeepSpeed save -> load into a fresh engine -> compare every restored slot.
+"""Reproduce a DeepSpeed resume row (named above): save -> load into a fresh engine -> compare every restored slot.
 
 Standalone (stdlib, torch, deepspeed). Exit 1: a slot's restored state differs from the state at the save;
 0: everything restored bit for bit; 2: setup error, refused load or deadline."""
@@ -35,7 +13,8 @@ import sys
 import tempfile
 import traceback
 
-S = json.loads(__SETTINGS__)
+SETTINGS = json.loads('{"world": 2}')  # @SETTINGS@ (filled by moebench)
+S = SETTINGS
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 PREFIX = "moe.deepspeed_moe.experts.deepspeed_experts."
 
@@ -168,7 +147,6 @@ def rank_main(rank, store, folder, out):
     try:
         import deepspeed
         import deepspeed.ops
-
         from deepspeed.utils import logger
 
         logger.setLevel(logging.ERROR)  # "ZeRO with an untested optimizer": torch's Adam is the point
@@ -279,21 +257,3 @@ def main():
 
 if __name__ == "__main__":
     sys.exit(main())
-'''
-
-
-def repro_script(row: Row, seed: int) -> str:
-    """The script's source for resume row `row` at `seed` (see the module's docstring)."""
-    from importlib.metadata import version
-
-    spec = ds_resume.Spec.of(row)
-    settings = {
-        "key": row.key(), "version": version("deepspeed"), "world": row.world_size, "seed": seed,
-        "zero_stage": spec.zero_stage, "ep_size": spec.ep_size, "load_zero_stage": spec.load_zero_stage,
-        "load_ep_size": spec.load_ep_size, "load_optimizer_states": spec.load_optimizer_states,
-        "elastic": spec.elastic, "data_before_expert": spec.data_before_expert, "universal": spec.universal,
-        "save_steps": spec.save_steps, "experts_per_rank": ds_resume.EXPERTS_PER_RANK,
-        "d_model": ds_resume.D_MODEL, "d_hidden": ds_resume.D_HIDDEN, "micro": list(ds_resume.MICRO),
-        "lr": ds_resume.LR, "fresh_offset": ds_resume.FRESH_SEED_OFFSET, "deadline_s": DEADLINE_S,
-    }
-    return TEMPLATE.replace("__KEY__", row.key()).replace("__SETTINGS__", repr(json.dumps(settings)))

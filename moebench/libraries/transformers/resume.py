@@ -35,8 +35,22 @@ import dataclasses
 import logging
 from typing import Any
 
-from moebench.libraries.base import Row
+from moebench.libraries.spec import RESUME, Row, Settings
+from moebench.libraries.transformers.api import BLOCK, distributed_config, shares_batch
+from moebench.libraries.transformers.build import (
+    SEQS_PER_RANK,
+    batch,
+    expert_offset,
+    full,
+    is_expert,
+    local,
+    model_classes,
+    quiet,
+    state_dict,
+)
+from moebench.libraries.transformers.parity import param_group
 from moebench.parity.compare import EXACT, Tolerance
+from moebench.parity.diagnosis import EXPERTS, OUTPUT
 
 SAVE_STEPS = 2
 """Adam steps before the save: after two, exp_avg / exp_avg_sq differ from any single gradient's."""
@@ -74,29 +88,46 @@ rank 0 alone (args.should_save) - every rank then loads rank 0's experts' Adam s
 OPTIMIZER_PATHS = ("save_optimizer_distributed", "Trainer")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ResumeSettings(Settings):
+    """A resume row's settings: its JSON fields, in this order (None values left out: a row loaded at its save
+    layout, which is its ep_mode, has no load_ep_mode / load_ep_size)."""
+
+    ep_size: int
+    load_ep_mode: str | None = None
+    """The layout the checkpoint is loaded into (an EP mode, or ONE_PROCESS); None: the save layout."""
+    load_ep_size: int | None = None
+    save_steps: int = SAVE_STEPS
+    continue_steps: int = CONTINUE_STEPS
+    load_optimizer_states: bool = True
+    distributed_checkpoint: bool = False
+    """save_pretrained(distributed_checkpoint=True): every rank writes its own shards through torch DCP."""
+    optimizer_checkpoint: str = OPTIMIZER_PATHS[0]
+    """Which code saves and loads the optimizer: one of OPTIMIZER_PATHS."""
+
+    def fields(self) -> dict[str, Any]:
+        return {k: v for k, v in super().fields().items() if v is not None}
+
+
 def resume_rows(world_size: int) -> list[Row]:
     rows = []
     for model, backend, save, load, sharded in RESUME_ROWS:
-        params: tuple[tuple[str, Any], ...] = (("ep_size", world_size),)
-        if load != save:
-            params += (("load_ep_mode", load), ("load_ep_size", 1 if load == ONE_PROCESS else world_size))
-        params += (("save_steps", SAVE_STEPS), ("continue_steps", CONTINUE_STEPS), ("load_optimizer_states", True),
-                   ("distributed_checkpoint", sharded))
+        other = {} if load == save else {"load_ep_mode": load,
+                                         "load_ep_size": 1 if load == ONE_PROCESS else world_size}
+        settings = ResumeSettings(ep_size=world_size, distributed_checkpoint=sharded, **other)
         variant = "resume" + ("-dcp" if sharded else "") + ("" if load == save else f"-to-{load}")
         rows.append(Row(library="transformers", model=model, backend=backend, ep_mode=save, world_size=world_size,
-                        features=("resume",), params=params + (("optimizer_checkpoint", OPTIMIZER_PATHS[0]),),
-                        variant=variant))
+                        kind=RESUME, features=("resume",), settings=settings, variant=variant))
     for model, backend, layout in TRAINER_ROWS:
-        params = (("ep_size", world_size), ("save_steps", SAVE_STEPS), ("continue_steps", CONTINUE_STEPS),
-                  ("load_optimizer_states", True), ("distributed_checkpoint", False),
-                  ("optimizer_checkpoint", OPTIMIZER_PATHS[1]))
+        settings = ResumeSettings(ep_size=world_size, optimizer_checkpoint=OPTIMIZER_PATHS[1])
         rows.append(Row(library="transformers", model=model, backend=backend, ep_mode=layout, world_size=world_size,
-                        features=("resume",), params=params, variant="resume-trainer"))
+                        kind=RESUME, features=("resume",), settings=settings, variant="resume-trainer"))
     return rows
 
 
 def load_layout(row: Row) -> str:
-    return dict(row.params).get("load_ep_mode", row.ep_mode)
+    """The layout a resume row loads into."""
+    return row.settings.load_ep_mode or row.ep_mode
 
 
 QUIET_LOGGERS = ("torch.distributed.tensor._redistribute", "torch.distributed.device_mesh")
@@ -118,24 +149,13 @@ def _quiet_dtensor():
             logger.setLevel(level)
 
 
-def _expert_offset(p) -> int:
-    """The global index of this rank's first expert in an experts parameter (0 when it is not sharded)."""
-    if not hasattr(p, "device_mesh"):
-        return 0
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    return int(compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)[1][0])
-
-
 def _layout_model(model_cls, config, row: Row, layout: str, source, state_dict=None):
     """from_pretrained(source) in `layout` (ep1: no distributed config)."""
-    from moebench.libraries import transformers as hf
-
     kwargs: dict[str, Any] = dict(config=config, experts_implementation=row.backend)
     if state_dict is not None:
         kwargs["state_dict"] = state_dict
     if layout != ONE_PROCESS:
-        kwargs["distributed_config"] = hf._distributed_config(dataclasses.replace(row, ep_mode=layout))
+        kwargs["distributed_config"] = distributed_config(dataclasses.replace(row, ep_mode=layout))
     model = model_cls.from_pretrained(source, **kwargs)
     model.train()
     return model
@@ -145,13 +165,11 @@ def _steps(block, opt, row: Row, layout: str, seed: int, steps: range, rank: int
     """Adam steps on the block in `layout`; the global loss of each (the mean over every token of the batch)."""
     import torch.distributed as dist
 
-    from moebench.libraries import transformers as hf
-
-    shared = layout == ONE_PROCESS or hf.shares_batch(dataclasses.replace(row, ep_mode=layout))
-    rows = slice(None) if shared else slice(rank * hf.SEQS_PER_RANK, (rank + 1) * hf.SEQS_PER_RANK)
+    shared = layout == ONE_PROCESS or shares_batch(dataclasses.replace(row, ep_mode=layout))
+    rows = slice(None) if shared else slice(rank * SEQS_PER_RANK, (rank + 1) * SEQS_PER_RANK)
     losses = []
     for step in steps:
-        x_all, t_all = hf._batch(seed, step, world)
+        x_all, t_all = batch(seed, step, world)
         y = block(x_all[rows])
         loss = (y * t_all[rows]).sum() / t_all[rows][..., 0].numel()
         loss.backward()
@@ -169,16 +187,15 @@ def _snapshot(block, opt) -> dict[str, dict[str, Any]]:
     """name -> {quantity: whole tensor} of the block's parameters and their Adam state (a collective)."""
     import torch
 
-    from moebench.libraries import transformers as hf
     from moebench.parity import restore
 
     out: dict[str, dict[str, Any]] = {}
     for name, p in block.named_parameters():
         state = opt.state.get(p, {})
-        out[name] = {restore.WEIGHTS: hf._full(p.detach()).clone()}
+        out[name] = {restore.WEIGHTS: full(p.detach()).clone()}
         for q in (restore.EXP_AVG, restore.EXP_AVG_SQ):
-            out[name][q] = hf._full(state[q]).clone() if q in state else torch.zeros(p.shape)
-        out[name][restore.STEP] = torch.as_tensor(hf._full(state["step"]) if "step" in state else 0.0).clone()
+            out[name][q] = full(state[q]).clone() if q in state else torch.zeros(p.shape)
+        out[name][restore.STEP] = torch.as_tensor(full(state["step"]) if "step" in state else 0.0).clone()
     return out
 
 
@@ -186,30 +203,28 @@ def _local_state(block, opt) -> dict[str, dict[str, Any]]:
     """name -> {quantity: what THIS rank holds}: its experts' rows, dense parameters whole (a collective)."""
     import torch
 
-    from moebench.libraries import transformers as hf
     from moebench.parity import restore
 
     out: dict[str, dict[str, Any]] = {}
     for name, p in block.named_parameters():
         state = opt.state.get(p, {}) if opt is not None else {}
-        view = hf._local if hf._is_expert(name) else hf._full
-        out[name] = {restore.WEIGHTS: view(p.detach()).clone(), "offset": _expert_offset(p)}
+        view = local if is_expert(name) else full
+        out[name] = {restore.WEIGHTS: view(p.detach()).clone(), "offset": expert_offset(p)}
         for q in (restore.EXP_AVG, restore.EXP_AVG_SQ):
             out[name][q] = view(state[q]).clone() if q in state else torch.zeros(view(p.detach()).shape)
-        out[name][restore.STEP] = torch.as_tensor(hf._full(state["step"]) if "step" in state else 0.0).clone()
+        out[name][restore.STEP] = torch.as_tensor(full(state["step"]) if "step" in state else 0.0).clone()
     return out
 
 
 def _findings(got: dict, fresh: dict, want: dict, rank: int) -> list:
     """(comparison name, Finding) for every expert slot and dense parameter, every quantity."""
-    from moebench.libraries import transformers as hf
     from moebench.parity import restore
 
-    dense = [n for n in want if not hf._is_expert(n)]
+    dense = [n for n in want if not is_expert(n)]
     out = []
     for name, held in got.items():
         for q in (restore.WEIGHTS, restore.EXP_AVG, restore.EXP_AVG_SQ, restore.STEP):
-            if q == restore.STEP or not hf._is_expert(name):
+            if q == restore.STEP or not is_expert(name):
                 slot = restore.Slot(rank=rank, local=None, unit=name)
                 candidates = {n: want[n][q] for n in dense} if q != restore.STEP else {name: want[name][q]}
                 out.append((f"restored {name} {q}", restore.identify(slot, q, held[q], candidates, fresh[name][q])))
@@ -262,53 +277,59 @@ def _load_optimizer(model, opt, folder, how: str) -> None:
 
 
 def run(ctx, row: Row, opts) -> list:
+    """The row on this rank, with transformers' progress bars, info logs and warnings off the console."""
+    with quiet():
+        return _run(ctx, row, opts)
+
+
+def _run(ctx, row: Row, opts) -> list:
     """Every rank: train, save, continue (uninterrupted) | load at the row's load layout, identify, continue."""
     import torch
 
-    from moebench.libraries import transformers as hf
     from moebench.libraries.resume import restore_comparisons, shared_dir
     from moebench.parity.compare import compare
 
     r, w, seed = ctx.rank, ctx.world_size, opts.seed
     layout = load_layout(row)
     tol = EXACT if layout == row.ep_mode else RESUME_OTHER_LAYOUT
-    config_cls, model_cls, kwargs = hf.model_classes(row.model)
+    config_cls, model_cls, kwargs = model_classes(row.model)
     config = config_cls(**kwargs)
     save_steps, later = range(SAVE_STEPS), range(SAVE_STEPS, SAVE_STEPS + CONTINUE_STEPS)
     out: list = []
     with _quiet_dtensor(), shared_dir("hf-resume") as folder:
-        model = _layout_model(model_cls, config, row, row.ep_mode, None, hf._state_dict(model_cls, config, seed))
-        block = model.get_submodule(hf.BLOCK)
+        model = _layout_model(model_cls, config, row, row.ep_mode, None, state_dict(model_cls, config, seed))
+        block = model.get_submodule(BLOCK)
         opt = torch.optim.Adam(block.parameters(), lr=ADAM_LR)
         _steps(block, opt, row, row.ep_mode, seed, save_steps, r, w)
-        model.save_pretrained(folder / "model", distributed_checkpoint=dict(row.params)["distributed_checkpoint"])
-        how = dict(row.params)["optimizer_checkpoint"]
+        model.save_pretrained(folder / "model", distributed_checkpoint=row.settings.distributed_checkpoint)
+        how = row.settings.optimizer_checkpoint
         _save_optimizer(model, opt, folder / "optimizer", how)
         want = _snapshot(block, opt)
         ref_losses = _steps(block, opt, row, row.ep_mode, seed, later, r, w)
-        ref_final = {name: hf._full(p.detach()).clone() for name, p in block.named_parameters()}
+        ref_final = {name: full(p.detach()).clone() for name, p in block.named_parameters()}
         del model, block, opt
 
         fresh_config = config_cls(**kwargs, initializer_range=FRESH_INIT_RANGE)
         fresh = _layout_model(model_cls, fresh_config, row, layout, None, state_dict={})
-        fresh_state = _local_state(fresh.get_submodule(hf.BLOCK), None)
+        fresh_state = _local_state(fresh.get_submodule(BLOCK), None)
         del fresh
         loaded = _layout_model(model_cls, fresh_config, row, layout, str(folder / "model"))
-        block = loaded.get_submodule(hf.BLOCK)
+        block = loaded.get_submodule(BLOCK)
         opt = torch.optim.Adam(block.parameters(), lr=ADAM_LR)
         _load_optimizer(loaded, opt, folder / "optimizer", how)
         out += restore_comparisons(_findings(_local_state(block, opt), fresh_state, want, r), r)
         losses = _steps(block, opt, row, layout, seed, later, r, w)
     for step, got, expected in zip(later, losses, ref_losses):
         out.append(compare(f"loss at step {step + 1} (resumed vs uninterrupted)", torch.tensor(got),
-                           torch.tensor(expected), tol, rank=r))
+                           torch.tensor(expected), tol, rank=r, group=OUTPUT))
     for name, p in block.named_parameters():
         label = f"after {CONTINUE_STEPS} resumed Adam steps"
-        if hf._is_expert(name):
-            local, offset = hf._local(p.detach()), _expert_offset(p)
-            for j in range(local.shape[0]):
-                out.append(compare(f"{name}[expert {offset + j}] {label}", local[j], ref_final[name][offset + j],
-                                   tol, rank=r))
+        if is_expert(name):
+            held, offset = local(p.detach()), expert_offset(p)
+            for j in range(held.shape[0]):
+                out.append(compare(f"{name}[expert {offset + j}] {label}", held[j], ref_final[name][offset + j],
+                                   tol, rank=r, group=EXPERTS))
         else:
-            out.append(compare(f"{name} {label}", hf._full(p.detach()), ref_final[name], tol, rank=r))
+            out.append(compare(f"{name} {label}", full(p.detach()), ref_final[name], tol, rank=r,
+                               group=param_group(name)))
     return out

@@ -1,16 +1,19 @@
 """`verify-parity --library NAME --repro DIR`: a standalone reproduction script per failing row.
 
-An adapter may have `repro_script(row, seed) -> str | None`: the whole source of a script
-that imports only the stdlib, torch and the library, starts its own gloo ranks on CPU, reproduces the row
-against the same mathematics on one process, prints the first diverging quantity and exits 1 when the bug
-shows, 0 when it does not, 2 on a setup error. What a user attaches to an upstream bug report.
+An adapter's `repro_script(row, seed)` returns the whole source of a script that imports only the stdlib, torch
+and the library, starts its own gloo ranks on CPU, reproduces the row against the same mathematics on one
+process, prints the first diverging quantity and exits 1 when the bug shows, 0 when it does not, 2 on a setup
+error. What a user attaches to an upstream bug report.
 
 After the run, each FAILING row whose adapter writes one becomes `DIR/<row key, / -> __>.py` (written
 atomically; rank 0 alone). The summary gains "repro": [{"check", "path"}] and "no_repro": [check names]
 (and "repro_error" when DIR could not be written: the run then exits 1).
-Templates live in repro_templates/: one per library with one line marked `# @SETTINGS@`, replaced by the
-row's settings as a JSON literal, and one `from harness import *` line marked @HARNESS@, replaced by
-harness.py (the parent, deadline, comparison and report every script shares): `fill`.
+
+One template mechanism for every script (`fill`): a template is a file in templates/, with exactly one line
+marked `# @SETTINGS@` (replaced by the row's settings as a JSON literal) and optionally one line marked
+`@HARNESS@` (replaced by templates/harness.py: the parent, deadline, comparison and report most scripts share)
+and one marked `@LAYOUT@` (replaced by moebench/parity/layout.py: local slot <-> global expert, as the tool maps
+them).
 """
 
 from __future__ import annotations
@@ -21,13 +24,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from moebench.libraries.base import Row
-
 SETTINGS_MARKER = "# @SETTINGS@"
 """The one template line replaced by `SETTINGS = json.loads('<the row's settings>')`."""
-HARNESS_MARKER = "@HARNESS@"
-"""The one template line (`from harness import *`) replaced by repro_templates/harness.py, the part every
-script shares: spawning the ranks, the deadline, the comparison and the report."""
+INSERTS = {"@HARNESS@": ("moebench.libraries.repro", "templates/harness.py"),
+           "@LAYOUT@": ("moebench.parity", "layout.py")}
+"""Marker -> the file pasted in its place (at most one line each)."""
 
 
 def script_name(key: str) -> str:
@@ -35,38 +36,39 @@ def script_name(key: str) -> str:
     return key.replace("/", "__") + ".py"
 
 
+def _text(package: str, path: str) -> str:
+    return resources.files(package).joinpath(path).read_text("utf-8")
+
+
 def template(name: str) -> str:
-    """The text of repro_templates/<name>.py (package data)."""
-    return resources.files("moebench.libraries").joinpath("repro_templates", f"{name}.py").read_text("utf-8")
+    """The text of templates/<name>.py (package data)."""
+    return _text("moebench.libraries.repro", f"templates/{name}.py")
 
 
 def fill(name: str, settings: dict[str, Any], *, key: str) -> str:
-    """Template `name` with its SETTINGS line holding `settings` (JSON scalars) and a first line naming the row."""
+    """Template `name` with its SETTINGS line holding `settings` (JSON scalars), each insert marker replaced by
+    its file, and a first line naming the row."""
     lines = template(name).splitlines(keepends=True)
-    for marker in (SETTINGS_MARKER, HARNESS_MARKER):
-        if sum(marker in line for line in lines) != 1:
-            raise ValueError(f"repro template {name} must mark exactly one line with {marker}")
+    if sum(SETTINGS_MARKER in line for line in lines) != 1:
+        raise ValueError(f"repro template {name} must mark exactly one line with {SETTINGS_MARKER}")
+    for marker in INSERTS:
+        if sum(marker in line for line in lines) > 1:
+            raise ValueError(f"repro template {name} marks more than one line with {marker}")
     literal = json.dumps(settings, sort_keys=True)
-    harness = f"# ---- the shared harness (moebench repro_templates/harness.py)\n{template('harness')}# ----\n"
-    lines = [f"SETTINGS = json.loads({literal!r})\n" if SETTINGS_MARKER in line
-             else harness if HARNESS_MARKER in line else line for line in lines]
-    from moebench import __version__
+    out = []
+    for line in lines:
+        marker = next((m for m in INSERTS if m in line), None)
+        if SETTINGS_MARKER in line:
+            out.append(f"SETTINGS = json.loads({literal!r})\n")
+        elif marker is not None:
+            package, path = INSERTS[marker]
+            out.append(f"# ---- pasted from {package.replace('.', '/')}/{path}\n{_text(package, path)}# ----\n")
+        else:
+            out.append(line)
+    from moebench.version import __version__
 
     head = f"# Reproduces moebench verify-parity row {key.replace(chr(10), ' ')} (moebench {__version__}).\n"
-    return head + "".join(lines)
-
-
-def deepspeed_engine_script(row: Row, seed: int) -> str | None:
-    """The script of a DeepSpeed engine row (params: EngineSettings' fields), from row.params and row.world_size;
-    None for a row that is not an engine row (the wrapped layer check, resume rows) or that needs a judge the
-    script has not got (bf16: a per-element tolerance is meaningless there)."""
-    params = dict(row.params)
-    if "zero_stage" not in params or "ep_size" not in params or "load_ep_size" in params:
-        return None
-    if params.get("precision", "fp32") != "fp32":
-        return None
-    settings = {**params, "world_size": row.world_size, "seed": seed}
-    return fill("deepspeed_engine", settings, key=row.key())
+    return head + "".join(out)
 
 
 def _is_writer() -> bool:
@@ -75,19 +77,16 @@ def _is_writer() -> bool:
     return not under_torchrun() or int(os.environ.get("RANK", "0")) == 0
 
 
-def write_scripts(directory: str, summary: dict[str, Any], rows: dict[str, tuple[Any, Row]],
-                  seed: int) -> dict[str, Any]:
+def write_scripts(directory: str, summary: dict[str, Any], rows: dict[str, Any], seed: int) -> dict[str, Any]:
     """The summary with "repro" (each script written: check, path) and "no_repro" (failing rows with none).
 
-    `rows` maps a check name to (its adapter, its Row). Only failing rows get a script."""
+    `rows` maps a check name to its matrix.RowCheck (adapter and row). Only failing rows get a script."""
     from moebench.results import write_text_atomic
 
     failing = [c["name"] for c in summary.get("checks", ()) if c.get("status") == "fail" and c["name"] in rows]
     written, without = [], []
     for name in failing:
-        adapter, row = rows[name]
-        make = getattr(adapter, "repro_script", None)
-        source = make(row, seed) if make is not None else None
+        source = rows[name].adapter.repro_script(rows[name].row, seed)
         if source is None:
             without.append(name)
             continue

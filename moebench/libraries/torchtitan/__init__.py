@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 
-from moebench.libraries.base import InstalledLibrary, Row
-from moebench.parity.registry import SkipCheck, import_problem
+from moebench.libraries.spec import Adapter, Row
+from moebench.parity.registry import import_problem
 
 MEASURED = "0.3.0"
 """The release the why-not lines describe (downloaded and read, not installed: see docs/libraries.md)."""
@@ -20,7 +20,7 @@ PROBE_TIMEOUT_S = 60.0
 """How long the import probe may take (torch alone takes ~2 s here)."""
 
 
-class TorchTitan(InstalledLibrary):
+class TorchTitan(Adapter):
     name = "torchtitan"
     import_name = "torchtitan"
     extra = "torchtitan"
@@ -36,11 +36,10 @@ class TorchTitan(InstalledLibrary):
             return f"{MOE_MODULE.partition(':')[0]} {problem}"
         return "no adapter rows yet (its experts compute in bf16 via torch._grouped_mm)"
 
-    def rows(self, world_size: int) -> list[Row]:
-        return []
+    runners = {}  # no rows yet
 
-    def run_row(self, ctx, row: Row, opts):
-        raise SkipCheck(self.unavailable() or "no rows")
+    def rows(self, world_size: int, *, resume: bool = False, user_config=None) -> list[Row]:
+        return []
 
 
 ADAPTER = TorchTitan()

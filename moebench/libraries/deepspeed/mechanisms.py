@@ -1,6 +1,6 @@
 """Name the mechanism behind a DeepSpeed engine row's FIRST divergence (ZeRO stage, step, group).
 
-An engine row (ds_engine.py) compares, per step, the loss, the reduced gradients, the global norm,
+An engine row (engine.py) compares, per step, the loss, the reduced gradients, the global norm,
 the applied updates and the parameters after the step. At the first step where anything differs,
 every rank calls `analyse` on what it holds; `combine` picks the earliest phase over the ranks
 (loss before gradients before norm before updates) and one sentence per mechanism:
@@ -28,15 +28,27 @@ from typing import Any
 
 import torch
 
+from moebench.libraries.deepspeed.names import group as _group
+from moebench.libraries.deepspeed.names import label as _label
 from moebench.parity import noise
 from moebench.parity.compare import Comparison
-from moebench.parity.diagnose import FIRST_DIVERGENCE
+from moebench.parity.diagnose import FIRST_DIVERGENCE, SCALE_FIT_RTOL
+from moebench.parity.diagnosis import (
+    ACCUM_BOUNDARY,
+    BF16_NOISE,
+    EXPERT_GRAD_SCALE,
+    FORWARD_DIFFERS,
+    GLOBAL_NORM,
+    LOSS_SCALE,
+    PARTITION_COPY_BACK,
+    REDUCED_GRAD_WRONG,
+    UNEXPLAINED,
+    VACUOUS_ROW,
+    make,
+)
 
 SCALE_MATCH_RTOL = 0.02
 """A fitted factor k names a ratio of group sizes when within 2 % of it (as diagnose.SCALE_INTEGER_RTOL)."""
-FIT_RTOL = 1e-4
-"""A tensor is `c x expected` when |actual - c x expected| <= FIT_RTOL x max|actual| (+ its comparison's
-floor): summation noise is ~1e-7 of the magnitude, a partly wrong tensor leaves >= 1e-2 (diagnose.py)."""
 RATIO_ULPS = 2000
 """Update ratios actual / expected are read only where |expected| >= RATIO_ULPS float32 ulps of the
 tensor's largest |parameter|: an update is read as after - before of float32 parameters (~1 ulp of
@@ -114,25 +126,13 @@ class StepView:
         return min(1.0, clip / (self.ref_norm + 1e-6)) if clip > 0 else 1.0
 
 
-def _group(name: str) -> str:
-    from moebench.libraries.ds_engine import group
-
-    return group(name)
-
-
-def _label(name: str) -> str:
-    from moebench.libraries.ds_engine import label
-
-    return label(name)
-
-
 def _scale(a: torch.Tensor, e: torch.Tensor) -> float | None:
-    """c when a = c x e everywhere (within FIT_RTOL), else None."""
+    """c when a = c x e everywhere (within diagnose.SCALE_FIT_RTOL), else None."""
     ee = float((e * e).sum())
     if ee == 0:
         return None
     c = float((a * e).sum()) / ee
-    if float((a - c * e).abs().max()) <= FIT_RTOL * max(float(a.abs().max()), 1e-30) + 1e-12:
+    if float((a - c * e).abs().max()) <= SCALE_FIT_RTOL * max(float(a.abs().max()), 1e-30) + 1e-12:
         return c
     return None
 
@@ -175,12 +175,12 @@ def analyse(v: StepView) -> dict[str, Any] | None:
     tag = f"step {v.step}"
     setup = [c for c in failed if c.kind == "equal" and "noise model" not in c.name]
     if setup:  # the row's own premise (the clip binds, capacity drops routes) does not hold
-        return _finding("loss", "vacuous-row", f"{setup[0].name.split(': ', 1)[-1]}: {setup[0].note}",
+        return _finding("loss", VACUOUS_ROW, f"{setup[0].name.split(': ', 1)[-1]}: {setup[0].note}",
                         f"{tag}, the row's premise")
     losses = [c for c in failed if ": loss" in c.name]
     if losses:
         what = losses[0].name.split(": ", 1)[1]
-        return _finding("loss", "forward-differs", f"the loss differs before any gradient ({what}): the model, "
+        return _finding("loss", FORWARD_DIFFERS, f"the loss differs before any gradient ({what}): the model, "
                         "its weights or its routing differ", f"{tag}, output")
     noise_failed = [c for c in failed if "bf16 noise model: reduced gradient" in c.name] or \
         [c for c in failed if "bf16 noise model" in c.name]
@@ -191,7 +191,7 @@ def analyse(v: StepView) -> dict[str, Any] | None:
         return _grad_finding(v, wrong, tag)
     if v.norm is not None and ("norm", "") in v.wrong:
         ratio = v.norm[0] / v.norm[1] if v.norm[1] else float("inf")
-        return _finding("global norm", "global-norm",
+        return _finding("global norm", GLOBAL_NORM,
                         f"reduced gradients right; the engine's global gradient norm is {v.norm[0]:.4g} on rank "
                         f"{v.rank}, the reference's {v.norm[1]:.4g} (x {ratio:.4g}): the clip coefficient "
                         "differs, so every update is scaled by it", f"{tag}, all groups", ratio=ratio,
@@ -199,15 +199,9 @@ def analyse(v: StepView) -> dict[str, Any] | None:
     wrong_updates = {n: ae for n, ae in v.updates.items() if ("update", n) in v.wrong}
     if not wrong_updates:
         other = failed[0]
-        return _finding("update", "partition-copy-back", f"reduced gradients and updates right, but {other.name} "
-                        "differs: the copy back into the module's parameters", f"{tag}, {_group_of(other.name)}")
+        return _finding("update", PARTITION_COPY_BACK, f"reduced gradients and updates right, but {other.name} "
+                        "differs: the copy back into the module's parameters", f"{tag}, {other.group}")
     return _update_finding(v, wrong_updates, tag, grads_read=bool(v.grads))
-
-
-def _group_of(comparison_name: str) -> str:
-    from moebench.parity.diagnose import group_of
-
-    return group_of(comparison_name)
 
 
 def _grad_finding(v: StepView, wrong: dict, tag: str) -> dict[str, Any]:
@@ -217,7 +211,7 @@ def _grad_finding(v: StepView, wrong: dict, tag: str) -> dict[str, Any]:
     for name, (a, _) in wrong.items():
         for alt, t in _accum_alternatives(v, name).items():
             if _close(a, t):
-                return _finding("reduced gradient", "accum-boundary",
+                return _finding("reduced gradient", ACCUM_BOUNDARY,
                                 f"the reduced gradient of {_label(name)} is {alt}: the gradient accumulation "
                                 f"boundary (grad_accum = {v.sizes.grad_accum})", where, alternative=alt)
     scales = {n: _scale(a, e) for n, (a, e) in wrong.items()}
@@ -226,18 +220,18 @@ def _grad_finding(v: StepView, wrong: dict, tag: str) -> dict[str, Any]:
         abs(c - fitted[0]) <= SCALE_MATCH_RTOL * abs(fitted[0]) for c in fitted) else None
     if common is not None and groups == ["experts"]:
         why = v.sizes.explain(common)
-        return _finding("reduced gradient", "expert-grad-scale",
+        return _finding("reduced gradient", EXPERT_GRAD_SCALE,
                         f"expert gradients scaled by {common:.4g} (dense and gate right): "
                         + ("; ".join(why) if why else f"no group size of this row gives it (world {v.sizes.world}, "
                            f"dp {v.sizes.dp}, ep {v.sizes.ep}, edp {v.sizes.edp})"),
                         where, scale=common, explanations=why)
     if common is not None and len(wrong) == len(v.grads):
-        return _finding("reduced gradient", "loss-scale",
+        return _finding("reduced gradient", LOSS_SCALE,
                         f"every reduced gradient scaled by {common:.4g}: the loss scale (or 1/grad_accum) is not "
                         "undone, or undone twice", where, scale=common)
     c = next(c for c in v.comparisons if not c.passed and _label(first) in c.name and "reduced grad" in c.name)
-    d = c.diagnosis or {"name": "unexplained", "sentence": "differs"}
-    return _finding("reduced gradient", "reduced-grad-wrong",
+    d = c.diagnosis or {"name": UNEXPLAINED, "sentence": "differs"}
+    return _finding("reduced gradient", REDUCED_GRAD_WRONG,
                     f"reduced gradient of {_label(first)} wrong ({d['name']}: {d['sentence']})", where,
                     diagnosis=d["name"])
 
@@ -257,16 +251,16 @@ def _bf16_finding(v: StepView, noise_failed, tag: str) -> dict[str, Any]:
     if set(scaled) == {"experts"} and right == present - {"experts"}:
         k = scaled["experts"]
         why = v.sizes.explain(k)
-        return _finding("reduced gradient", "expert-grad-scale",
+        return _finding("reduced gradient", EXPERT_GRAD_SCALE,
                         f"expert gradients scaled by {k:.3g} (bf16; dense and gate right within the noise): "
                         + ("; ".join(why) or "no group size of this row gives it") + training, f"{tag}, experts",
                         scale=k, explanations=why)
     k = noise.common_factor(scaled)
     if k is not None and set(scaled) == present:
-        return _finding("reduced gradient", "loss-scale",
+        return _finding("reduced gradient", LOSS_SCALE,
                         f"every reduced gradient scaled by {k:.3g} (bf16): the loss scale (or 1/grad_accum) is not "
                         "undone, or undone twice" + training, f"{tag}, all groups", scale=k)
-    return _finding("reduced gradient", "bf16-noise",
+    return _finding("reduced gradient", BF16_NOISE,
                     f"{noise_failed.name.split(': ', 1)[1]}: {noise_failed.note}{training}", f"{tag}, all groups")
 
 
@@ -279,7 +273,7 @@ def _update_finding(v: StepView, wrong: dict, tag: str, *, grads_read: bool) -> 
     if clip > 0 and factors is not None:
         shown = ", ".join(f"{f:.4g}" for f in factors)
         implied = clip / (factors[0] * v.clip_coef()) - 1e-6 if len(factors) == 1 else None
-        return _finding("update", "global-norm",
+        return _finding("update", GLOBAL_NORM,
                         ("reduced gradients right; " if grads_read else "")
                         + f"every update on rank {v.rank} is the reference's scaled by one common factor per "
                         f"rank or ZeRO partition ({shown}): the global gradient norm or the clip coefficient differs",
@@ -291,12 +285,12 @@ def _update_finding(v: StepView, wrong: dict, tag: str, *, grads_read: bool) -> 
         if groups == ["experts"] and fitted and len(fitted) == len(scales) and all(
                 abs(c - fitted[0]) <= SCALE_MATCH_RTOL * abs(fitted[0]) for c in fitted):
             why = v.sizes.explain(fitted[0])
-            return _finding("update", "expert-grad-scale",
+            return _finding("update", EXPERT_GRAD_SCALE,
                             f"expert updates scaled by {fitted[0]:.4g} (dense and gate right; the reduced gradients "
                             "cannot be read here): " + ("; ".join(why) or "no group size of this row gives it"),
                             where, scale=fitted[0], explanations=why)
     landed = _landed_elsewhere(v.afters, wrong)
-    return _finding("update", "partition-copy-back",
+    return _finding("update", PARTITION_COPY_BACK,
                     ("reduced gradients right, applied step wrong" if grads_read
                      else "applied step wrong (reduced gradients not readable here)")
                     + f" in {_label(first)}" + (f" ({landed})" if landed else "")
@@ -342,16 +336,15 @@ def combine(findings: list, *, sizes: GroupSizes, zero_stage: int, step: int) ->
     """The row's first divergence from every rank's finding: the earliest phase, then the lowest rank."""
     ranked = [(f["phase"], r, f) for r, f in enumerate(findings) if f is not None]
     if not ranked:  # a rank saw a failure the analysis does not cover (e.g. a non-numeric assertion)
-        return {"name": "unexplained", "sentence": f"ZeRO {zero_stage}, step {step}: differs", "details": {}}
+        return make(UNEXPLAINED, f"ZeRO {zero_stage}, step {step}: differs")
     phase, rank, f = min(ranked, key=lambda t: (t[0], t[1]))
     ranks = [r for p, r, g in ranked if p == phase and g["name"] == f["name"]]
     on = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
     sentence = f"first divergence at ZeRO {zero_stage}, {f['where']}, on {on}: {f['sentence']}"
-    if f["name"] == "global-norm":
-        sentence += _which_norm([g for g in findings if g is not None and g["name"] == "global-norm"], len(findings))
-    return {"name": f["name"], "sentence": sentence,
-            "details": {FIRST_DIVERGENCE: True, "zero_stage": zero_stage, "step": step, "where": f["where"],
-                        "phase": PHASES[phase], "ranks": ranks, **f["details"]}}
+    if f["name"] == GLOBAL_NORM:
+        sentence += _which_norm([g for g in findings if g is not None and g["name"] == GLOBAL_NORM], len(findings))
+    return make(f["name"], sentence, **{FIRST_DIVERGENCE: True, "zero_stage": zero_stage, "step": step,
+                                        "where": f["where"], "phase": PHASES[phase], "ranks": ranks, **f["details"]})
 
 
 NORM_MATCH_RTOL = 1e-3

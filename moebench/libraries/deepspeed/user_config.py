@@ -20,7 +20,7 @@ STAGE_3_STANDIN = 2
 """Stage 3 is verified at stage 2: the nearest stage that also partitions the gradients and the optimizer state."""
 BINDING_CLIP = 0.05
 """A gradient_clipping that binds at every step on the engine rows' small model: its unclipped global norm
-is 0.15-0.4 (measured). The default matrix's clip rows use it (ds_engine.CLIP)."""
+is 0.15-0.4 (measured). The default matrix's clip rows use it (engine.CLIP)."""
 DEFAULTS: dict[str, Any] = {"zero_stage": 0, "clip": 0.0, "grad_accum": 1, "precision": "fp32"}
 """DeepSpeed's own defaults for a key the file does not set (no ZeRO, no clipping, one micro-step, fp32)."""
 OPTIMIZER_WHY = ("Adam divides each step by the gradient's own running size, so a gradient scaled "

@@ -1,0 +1,221 @@
+"""The library protocol, whole: a conformance row, its settings, and what an adapter declares.
+
+An adapter verifies one MoE library (or a user's own MoE layer) under expert parallelism against the same
+mathematics on one process. It subclasses `Adapter` and declares, as data and plain functions:
+- identity: `name`, `import_name`, `dist_name`, `extra`, `catches`;
+- `rows(world_size, *, resume=False, user_config=None) -> list[Row]`: the matrix at one world size;
+- `runners`: row kind -> the function every rank runs for a row of that kind, `fn(ctx, row, opts)` returning
+  comparisons (moebench.parity.compare), each with its `group` set where it is made;
+- optional, with defaults: `skip_reason(row)` (asked in the parent, before any rank starts),
+  `repro_script(row, seed)`, `preload` (modules imported before the ranks fork; only those the installed
+  release has are imported), `timeout_s`, `version()`, `unavailable()`.
+Nothing else is read from an adapter: no attribute is probed, no signature inspected. A row's configuration
+is data in the row (`kind` picks the runner, `settings` holds the rest), so the console, `--json`, the
+report and `--repro` read the same thing. docs/adding-a-library.md walks through an adapter.
+
+Importing this module imports neither torch nor any library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata
+import importlib.util
+import math
+import re
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Union
+
+if TYPE_CHECKING:
+    from moebench.distributed.launch import RankContext
+    from moebench.parity.compare import Comparison
+    from moebench.parity.registry import CheckOptions
+
+PARITY = "parity"
+"""Row kind: the expert-parallel model against one process in float32 (outputs, gradients, steps)."""
+BF16 = "bf16"
+"""Row kind: the same in bf16, judged by the noise model (moebench.parity.noise)."""
+RESUME = "resume"
+"""Row kind: save, load into a fresh model at the same or another layout, continue; vs the uninterrupted run."""
+DEFAULT_CATCHES = "an expert-parallel path whose outputs or gradients differ from one process"
+NAME_PATTERN = r"[a-z][a-z0-9_-]*"
+"""What an adapter's name (its --library value) may be."""
+
+RankFn = Callable[["RankContext", "Row", "CheckOptions"], "list[Comparison]"]
+Runner = Union[RankFn, str]
+"""A runner: the function itself, or "package.module:function" (imported on first use, so that importing an
+adapter does not import its runners' dependencies)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What a row runs with beyond its labels. Subclass it as a frozen dataclass whose fields are JSON scalars
+    (str, int, float, bool or None): each field becomes a field of the row's JSON record, in field order, and the
+    runner reads them back as attributes - never from the row's labels or features."""
+
+    def fields(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+NO_SETTINGS = Settings()
+
+
+def settings_problem(settings: Any) -> str:
+    """Why `settings` cannot be a row's settings ("" when it can)."""
+    if not isinstance(settings, Settings) or not dataclasses.is_dataclass(settings):
+        return f"settings must be a moebench.libraries.spec.Settings dataclass, got {type(settings).__name__}"
+    if not settings.__dataclass_params__.frozen:
+        return f"settings {type(settings).__name__} must be a frozen dataclass"
+    for name, value in settings.fields().items():
+        if not isinstance(value, (str, int, float, bool, type(None))):
+            return f"settings field {name} must be a JSON scalar, got {type(value).__name__}"
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"settings field {name} must be finite, got {value}"
+    return ""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Row:
+    """One row of the conformance matrix: what to build and how to run it (picklable; data only)."""
+
+    library: str
+    """The adapter's name: "transformers", "fairscale", "deepspeed", ..."""
+    model: str
+    """The block or model family, e.g. "mixtral", "top2gate", "engine"."""
+    backend: str
+    """Expert backend or engine setting: "eager", "grouped_mm", "zero1"; "-" when the library has no choice."""
+    ep_mode: str
+    """How the experts are spread: "all_to_all", "ep=2", "a2a-E=W"; "-" when none."""
+    world_size: int
+    """Ranks this row runs on."""
+    kind: str = PARITY
+    """Which of the adapter's runners runs it (PARITY, BF16, RESUME or the adapter's own)."""
+    settings: Settings = NO_SETTINGS
+    """The row's settings (a frozen Settings dataclass of JSON scalars): its JSON record's extra fields."""
+    features: tuple[str, ...] = ()
+    """What else the row verifies, for people ("loss-curve", "clip"): shown, never dispatched on."""
+    variant: str = ""
+    """What tells this row from its siblings with the same model/backend/ep_mode; appended to key()."""
+
+    def __post_init__(self) -> None:
+        problem = settings_problem(self.settings)
+        if problem:
+            raise TypeError(f"row {self.key()}: {problem}")
+
+    def key(self) -> str:
+        """The row's stable id, also its parity check's name: library/model/backend/ep_mode/wN[/variant]."""
+        base = f"{self.library}/{self.model}/{self.backend}/{self.ep_mode}/w{self.world_size}"
+        return f"{base}/{self.variant}" if self.variant else base
+
+    def labels(self, version: str) -> dict[str, Any]:
+        """The row's JSON record fields: its labels, then its settings' fields."""
+        return {"library": self.library, "version": version, "model": self.model, "backend": self.backend,
+                "ep_mode": self.ep_mode, "world_size": self.world_size, "features": tuple(self.features),
+                **self.settings.fields()}
+
+
+def install_hint(extra: str) -> str:
+    """The one command that installs a library's moebench extra."""
+    return f"pip install 'moebench[{extra}]'"
+
+
+class Adapter:
+    """One library under expert parallelism: subclass it (see the module docstring and
+    docs/adding-a-library.md). The defaults below serve a library installed as a distribution."""
+
+    name: str = ""
+    """The library's name on the command line (--library NAME); NAME_PATTERN."""
+    import_name: str = ""
+    """The module whose presence means the library is installed."""
+    dist_name: str = ""
+    """Its distribution on PyPI, for its version (default: import_name)."""
+    extra: str = ""
+    """The moebench extra that installs it ("" : `pip install <dist_name>`)."""
+    catches: str = DEFAULT_CATCHES
+    """One line: the defect a failing row of this library points at."""
+    runners: Mapping[str, Runner] = {}
+    """Row kind -> what every rank runs for a row of that kind: fn(ctx, row, opts) -> comparisons."""
+    preload: tuple[str, ...] = ()
+    """Modules imported in the parent before a row's ranks fork (those this release has: moebench.preload)."""
+    timeout_s: float | None = None
+    """Each row's deadline in seconds (None: --timeout)."""
+
+    def rows(self, world_size: int, *, resume: bool = False,
+             user_config: Mapping[str, Any] | None = None) -> list[Row]:
+        """The rows at `world_size` (none where the library cannot run at it); `resume` adds the resume rows;
+        `user_config` (--ds-config for DeepSpeed) replaces the default matrix by the user's settings."""
+        raise NotImplementedError(f"{type(self).__name__}.rows")
+
+    def version(self) -> str | None:
+        """The installed version (None: not installed); read from the distribution, never by importing."""
+        try:
+            return importlib.metadata.version(self.dist_name or self.import_name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    def install_hint(self) -> str:
+        return install_hint(self.extra) if self.extra else f"pip install {self.dist_name or self.import_name}"
+
+    def unavailable(self) -> str | None:
+        """One line why the library cannot run here, or None (must not import the library)."""
+        if importlib.util.find_spec(self.import_name) is None:
+            return f"not installed: {self.install_hint()}"
+        return None
+
+    def skip_reason(self, row: Row) -> str | None:
+        """One line why `row` cannot run here (asked in the parent, before its ranks start), or None."""
+        return None
+
+    def repro_script(self, row: Row, seed: int) -> str | None:
+        """The whole source of a standalone script reproducing `row` (libraries/repro), or None."""
+        return None
+
+    def runner(self, kind: str) -> RankFn:
+        """The function for rows of `kind` (a "module:function" runner imported now)."""
+        found = self.runners[kind]
+        if isinstance(found, str):
+            module, _, attr = found.partition(":")
+            found = getattr(importlib.import_module(module), attr)
+        return found
+
+
+def problems(adapter: Any, world_size: int = 2) -> list[str]:
+    """What keeps `adapter` from meeting the protocol, checked without running a rank: its type and identity,
+    its runners, and its rows at 1 and `world_size` ranks (unique keys, its own name, a runner for every kind).
+    Empty: it meets it."""
+    if not isinstance(adapter, Adapter):
+        return [f"is a {type(adapter).__name__}, not a moebench.libraries.spec.Adapter"]
+    out = []
+    if not isinstance(adapter.name, str) or not re.fullmatch(NAME_PATTERN, adapter.name):
+        out.append(f"name {adapter.name!r} must match {NAME_PATTERN}")
+    if not isinstance(adapter.import_name, str) or not adapter.import_name:
+        out.append("import_name must name the module that means the library is installed")
+    if not isinstance(adapter.runners, Mapping) or not adapter.runners:
+        out.append("runners must map each row kind to the function its ranks run")
+        return out
+    for kind, fn in adapter.runners.items():
+        if not (callable(fn) or (isinstance(fn, str) and re.fullmatch(r"[\w.]+:[\w.]+", fn))):
+            out.append(f"runners[{kind!r}] must be a function or 'package.module:function'")
+    if not isinstance(adapter.preload, tuple) or not all(isinstance(m, str) for m in adapter.preload):
+        out.append("preload must be a tuple of module names")
+    if adapter.timeout_s is not None and not (isinstance(adapter.timeout_s, (int, float)) and adapter.timeout_s > 0):
+        out.append(f"timeout_s must be a positive number of seconds or None, got {adapter.timeout_s!r}")
+    for w in (1, world_size):
+        try:
+            rows = adapter.rows(w)
+        except Exception as exc:  # noqa: BLE001 - the user's code: its error is the finding
+            out.append(f"rows({w}) raised {type(exc).__name__}: {exc}")
+            continue
+        if not isinstance(rows, list) or not all(isinstance(r, Row) for r in rows):
+            out.append(f"rows({w}) must return a list of Row")
+            continue
+        keys = [r.key() for r in rows]
+        dupes = sorted({k for k in keys if keys.count(k) > 1})
+        if dupes:
+            out.append(f"rows({w}) has duplicate keys: {', '.join(dupes[:3])}")
+        for r in rows:
+            if r.library != adapter.name or r.world_size != w:
+                out.append(f"row {r.key()} must have library {adapter.name!r} and world_size {w}")
+            elif r.kind not in adapter.runners:
+                out.append(f"row {r.key()} is of kind {r.kind!r}, which no runner runs")
+    return out

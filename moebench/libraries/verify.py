@@ -1,0 +1,122 @@
+"""`verify-parity --library / --adapter`, from what the user asks to the summary: the one path the CLI and the Python
+API (`moebench.verify_parity(library=...)`) both take. Every input is checked here, before the run folder
+exists: a bad one is a UserError naming its flag (exit 2 on the CLI), with nothing written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from moebench.errors import UserError
+from moebench.libraries import registry
+from moebench.libraries.matrix import DEFAULT_WORLD_SIZES, config_fields, row_checks, verify_libraries
+from moebench.libraries.spec import Adapter
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LibraryRequest:
+    """What a library run was asked for (each field is the flag of the same name)."""
+
+    libraries: tuple[str, ...] = ()
+    """--library: built-in or installed adapters by name."""
+    adapter: str | None = None
+    """--adapter: a user's adapter object, "package.module:ATTRIBUTE"."""
+    world_size: int | None = None
+    """--world-size (None: DEFAULT_WORLD_SIZES)."""
+    ds_config: str | None = None
+    """--ds-config: a DeepSpeed config file the engine rows take their settings from (implies deepspeed)."""
+    resume: bool = False
+    """--resume: add the resume rows."""
+    repro: str | None = None
+    """--repro: a new or empty folder for the failing rows' standalone scripts."""
+    rows: tuple[str, ...] = ()
+    """--row: run only the rows whose key matches one of these shell globs."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Prepared:
+    """A checked request: the adapters, world sizes and user settings a run takes."""
+
+    adapters: tuple[Adapter, ...]
+    world_sizes: tuple[int, ...]
+    user_configs: dict[str, Any]
+    summary_extra: dict[str, Any]
+    request: LibraryRequest
+
+
+def names_of(library: str | Sequence[str] | None) -> tuple[str, ...]:
+    """--library's names, each once, in order ("a,b" or a sequence); empty: a UserError."""
+    parts = library.split(",") if isinstance(library, str) else list(library or ())
+    if not all(isinstance(p, str) for p in parts):
+        raise UserError(f"names libraries by their names (strings), got {library!r}", flag="--library")
+    names = tuple(dict.fromkeys(n.strip() for n in parts if n.strip()))
+    if not names:
+        raise UserError("names no library; give one or more (see --list), e.g. --library fairscale", flag="--library")
+    return names
+
+
+def prepare(request: LibraryRequest, results_dir: str | None = None) -> Prepared:
+    """Check the request and resolve its adapters (UserError on anything wrong; nothing written)."""
+    from moebench.resources import require_ranks_fit
+
+    libraries = request.libraries
+    summary_extra: dict[str, Any] = {}
+    user_configs: dict[str, Any] = {}
+    if request.ds_config is not None:
+        from moebench.libraries.deepspeed.user_config import read_user_config
+
+        if libraries and "deepspeed" not in libraries:
+            raise UserError("verifies DeepSpeed's rows; add deepspeed to --library or drop --ds-config",
+                            flag="--ds-config")
+        settings, notes = read_user_config(request.ds_config)
+        libraries = libraries or ("deepspeed",)
+        user_configs["deepspeed"] = settings
+        summary_extra["ds_config"] = {"path": os.path.abspath(request.ds_config), "settings": settings,
+                                      "notes": notes}
+    if not libraries and request.adapter is None:
+        raise UserError("names no library; give --library NAME or --adapter pkg.mod:ADAPTER", flag="--library")
+    sizes = DEFAULT_WORLD_SIZES if request.world_size is None else (request.world_size,)
+    require_ranks_fit(max(sizes))
+    if request.repro is not None:
+        check_repro_dir(request.repro, results_dir)
+    adapters = registry.require(list(libraries)) if libraries else []
+    if request.adapter is not None:
+        adapters.append(registry.load_user(request.adapter, world_size=max(sizes)))
+    prepared = Prepared(adapters=tuple(adapters), world_sizes=sizes, user_configs=user_configs,
+                        summary_extra=summary_extra, request=request)
+    row_checks(list(prepared.adapters), sizes, resume=request.resume, user_configs=user_configs,
+               patterns=request.rows)  # no row, or a --row matching none: refused now, before any folder
+    return prepared
+
+
+def check_repro_dir(path: str, results_dir: str | None = None) -> None:
+    """--repro must be a folder that is new or empty, writable, and not inside the results folder (other runs')."""
+    from moebench.results import results_root
+
+    folder = Path(path).expanduser().absolute()
+    root = results_root(results_dir).expanduser().absolute()
+    if folder == root or root in folder.parents:
+        raise UserError(f"{path} is inside the results folder {root}; give a folder of its own, e.g. "
+                        "--repro ./repro", flag="--repro")
+    if folder.exists():
+        if not folder.is_dir():
+            raise UserError(f"{path} exists and is not a folder; give a new or empty folder", flag="--repro")
+        if any(folder.iterdir()):
+            raise UserError(f"{path} is not empty; give a new or empty folder (scripts of an earlier run are "
+                            "never overwritten)", flag="--repro")
+    parent = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if parent is None or not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"{path} cannot be created: {parent} is not writable", flag="--repro")
+
+
+def run(prepared: Prepared, config, *, results_dir: str | None = None,
+        on_record: Callable | None = None) -> dict[str, Any]:
+    """The rows of a prepared request through the parity runner (config: the run's ParityConfig)."""
+    request = prepared.request
+    return verify_libraries(list(prepared.adapters), prepared.world_sizes, config_fields=config_fields(config),
+                            results_dir=results_dir, on_record=on_record, user_configs=prepared.user_configs,
+                            summary_extra=prepared.summary_extra, repro_dir=request.repro, resume=request.resume,
+                            patterns=request.rows)

@@ -1,0 +1,82 @@
+"""Every diagnosis name moebench gives, and the Diagnosis record that carries one.
+
+A diagnosis names the bug class behind a failed comparison or row: `name` (one of the constants below, what
+`--json`'s `diagnosis_name` and the tests match), one `sentence` for a person, and `details` (JSON values) for
+tools. Its JSON form is {"name", "sentence", "details"}: `Diagnosis.to_dict()`. Builders make a Diagnosis;
+records (comparisons, checks, rows) carry its dict, since they cross processes and files as JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+# ---- from the numbers of one comparison (diagnose.py)
+SHAPE = "shape"
+NON_FINITE = "non-finite"
+ZERO = "zero"
+UNIFORM_SCALE = "uniform-scale"
+"""actual = c x expected everywhere; c or 1/c an integer N names "summed instead of averaged over N ranks"."""
+ROWS_PERMUTED = "rows-permuted"
+PARTIAL = "partial"
+"""Only some slices differ (one comparison), or only some ranks failed (a check)."""
+UNEXPLAINED = "unexplained"
+FAILED_ASSERTION = "failed-assertion"
+"""A non-numeric assertion failed (keys, an exception, a grad_fn): its note says what broke."""
+
+# ---- known-wrong implementations a comparison matched (diagnose.py's builders)
+RANK_LOCAL = "rank-local"
+MISSING_BACKWARD_EXCHANGE = "missing-backward-exchange"
+SCORES_MISPAIRED = "scores-mispaired"
+UNROUTED_SLOTS = "unrouted-slots"
+
+# ---- an engine's first divergence (libraries/deepspeed/mechanisms.py)
+VACUOUS_ROW = "vacuous-row"
+"""The row's premise fails (its clip does not bind, its capacity drops nothing)."""
+FORWARD_DIFFERS = "forward-differs"
+GLOBAL_NORM = "global-norm"
+PARTITION_COPY_BACK = "partition-copy-back"
+ACCUM_BOUNDARY = "accum-boundary"
+EXPERT_GRAD_SCALE = "expert-grad-scale"
+LOSS_SCALE = "loss-scale"
+REDUCED_GRAD_WRONG = "reduced-grad-wrong"
+BF16_NOISE = "bf16-noise"
+"""Half precision farther from float32 than the noise model allows, and no mechanism explains it."""
+
+# ---- a resumed run's restored state (restore.py)
+NOT_RESTORED = "not-restored"
+PERMUTATION = "permutation"
+SPLIT_RESTORE = "split-restore"
+RESTORE_UNEXPLAINED = "restore-unexplained"
+REFUSED = "refused"
+"""The library refused what the row asked (a checkpoint load): its message."""
+RESTORE_NAMES = (NOT_RESTORED, PERMUTATION, SPLIT_RESTORE, RESTORE_UNEXPLAINED)
+
+# ---- parameter groups: what a check-level diagnosis counts right and wrong ("experts wrong (3/36)")
+OUTPUT = "output"
+"""The forward: outputs, losses, gathered tensors."""
+INPUT_GRAD = "input gradient"
+ROUTER = "gate/router"
+"""The gate or router: its weights, gradients, routing decisions and capacity."""
+EXPERTS = "experts"
+REPLICATED = "replicated"
+"""Everything else: dense (data-parallel) parameters, norms, the row's own premises."""
+GROUPS = (OUTPUT, INPUT_GRAD, ROUTER, EXPERTS, REPLICATED)
+
+
+@dataclasses.dataclass(kw_only=True)
+class Diagnosis:
+    """One diagnosis: a name above, one sentence, and details (JSON values)."""
+
+    name: str
+    sentence: str
+    details: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form records carry."""
+        return {"name": self.name, "sentence": self.sentence, "details": self.details}
+
+
+def make(name: str, sentence: str, **details: Any) -> dict[str, Any]:
+    """A diagnosis in its JSON form, built through the Diagnosis record."""
+    return Diagnosis(name=name, sentence=sentence, details=details).to_dict()
