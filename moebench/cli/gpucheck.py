@@ -31,9 +31,9 @@ BUILD_BOUND = bounds.Path(folder=True, writable=True)
 EXAMPLES = """Examples:
 
 \b
-  moebench gpu-check --list                      the steps and their budgets
-  moebench gpu-check --fastmoe-src ~/fastmoe     every step (needs a CUDA GPU)
-  moebench gpu-check --fastmoe-src ~/fastmoe --skip bench --json"""
+  moebench gpu-check --list                 the steps and their budgets
+  moebench gpu-check --fastmoe-src .        in a fastmoe clone: every step
+  moebench gpu-check --skip bench,layers --json     an installed fmoe"""
 
 
 def _print_list(as_json: bool) -> None:

@@ -75,9 +75,12 @@ def run_command(argv: list[str], *, env: dict, timeout_s: float, out: Path, err:
 
 
 def _last_json(path: Path) -> dict | None:
-    """The JSON document a command printed (the whole stdout, else its last line)."""
+    """The JSON document a command printed: the whole stdout, else the last object that starts a line
+    and runs to the end (a library's stray print before it), else its last line."""
     text = path.read_text(encoding="utf-8", errors="replace").strip()
-    for candidate in (text, text.splitlines()[-1] if text else ""):
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("{")]
+    for candidate in (text, *("\n".join(lines[i:]) for i in starts), lines[-1] if lines else ""):
         with contextlib.suppress(ValueError):
             doc = json.loads(candidate)
             if isinstance(doc, dict):

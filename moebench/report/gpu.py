@@ -31,9 +31,11 @@ def blocks(run: collect.Run | None, root: Path) -> list[Block]:
         return out + [Para(f"Not run: no gpu-check run under {root}; {HOW}. Nothing in this report was "
                            "measured on a GPU.")]
     doc = run.documents.get(REPORT_FILE)
-    if run.damage or doc is None:
-        why = run.not_ok_reason() if run.damage else f"run {run.run_id} has no {REPORT_FILE} ({run.status})"
-        return out + [Para(f"Not judged: {why}.")]
+    if run.damage:  # "not judged: run ... is damaged (<file>: <reason>)"
+        why = run.not_ok_reason()
+        return out + [Para(f"{why[0].upper()}{why[1:]}.")]
+    if doc is None:
+        return out + [Para(f"Not judged: run {run.run_id} has no {REPORT_FILE} ({run.status}).")]
     counts = doc["counts"]
     gpus = ", ".join(dict.fromkeys(doc.get("gpus") or [])) or "no GPU"
     out.append(Para(

@@ -179,3 +179,16 @@ def test_the_module_prints_one_json_document(tmp_path, capsys, monkeypatch):
     doc = json.loads(capsys.readouterr().out)
     assert code == 2 and doc["status"] == "refused" and "CPU build" in doc["reason"]
     assert sys.executable  # the child python the runner uses
+
+
+def test_nccl_h_is_found_in_the_site_packages_a_venv_sees(tmp_path, monkeypatch):
+    """A venv made by make gpu-check sees its interpreter's nvidia-nccl through site.getsitepackages()."""
+    import site
+
+    from moebench.envcheck import comm
+
+    header = tmp_path / "base-site" / "nvidia" / "nccl" / "include" / "nccl.h"
+    header.parent.mkdir(parents=True)
+    header.write_text("#define NCCL_MAJOR 2\n#define NCCL_MINOR 27\n#define NCCL_PATCH 7\n")
+    monkeypatch.setattr(site, "getsitepackages", lambda: [str(tmp_path / "base-site")])
+    assert str(header) in comm.nccl_header_candidates({})

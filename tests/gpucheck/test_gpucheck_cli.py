@@ -162,3 +162,11 @@ def test_the_command_prints_a_line_per_step_within_80_columns(tmp_path, monkeypa
     assert any(line.startswith("bad ") and "fail" in line for line in lines)
     assert "gpu-check: 1 pass, 1 fail, 0 timeout, 1 skip in" in out.output
     assert all(len(line) <= 80 for line in lines if not line.startswith(("saved ", "python: ")))  # paths: whole
+
+
+def test_a_document_after_stray_output_is_still_read(tmp_path):
+    out = tmp_path / "x.stdout"
+    out.write_text('[WARNING] a library printed this\n{\n  "status": "ok",\n  "n": 1\n}\n')
+    assert runner._last_json(out) == {"status": "ok", "n": 1}
+    out.write_text("no document at all\n")
+    assert runner._last_json(out) is None
