@@ -329,12 +329,13 @@ def run_sweep(points: list[Point], layers: tuple[str, ...] = LAYERS, repeats: in
     """Time every layer at every point; rows carry medians, spreads and same-process ratios."""
     ds = _DeepSpeed()
     rows, breakdown = [], []
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # what each row's "device" says (and time_call times)
     try:
         for p in points:
             signals.check()  # a safe point between points
             if log:
                 log(f"E={p.experts} T={p.tokens} k={p.top_k} d={p.d_model}/{p.d_hidden}")
-            fns, skipped = build_layers(p, layers, ds)
+            fns, skipped = build_layers(p, layers, ds, device=device)
             peak = warm_up(fns, warmup)
             times: dict[str, list[float]] = {n: [] for n in fns}
             for _ in range(max(repeats, 1)):
@@ -342,8 +343,7 @@ def run_sweep(points: list[Point], layers: tuple[str, ...] = LAYERS, repeats: in
                     times[name].append(time_call(fn))
             med = {n: statistics.median(t) for n, t in times.items()}
             for name in layers:
-                row = {"layer": name, **dataclasses.asdict(p), "threads": torch.get_num_threads(),
-                       "device": "cuda" if torch.cuda.is_available() else "cpu"}
+                row = {"layer": name, **dataclasses.asdict(p), "threads": torch.get_num_threads(), "device": device}
                 if name in skipped:
                     rows.append({**row, "skipped": skipped[name]})
                     continue

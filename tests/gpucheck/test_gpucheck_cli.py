@@ -170,3 +170,9 @@ def test_a_document_after_stray_output_is_still_read(tmp_path):
     assert runner._last_json(out) == {"status": "ok", "n": 1}
     out.write_text("no document at all\n")
     assert runner._last_json(out) is None
+
+
+def test_every_step_has_a_gpu_test():
+    text = (Path(__file__).parent / "test_gpucheck_gpu.py").read_text()
+    missing = [name for name in steps.NAMES if f'"{name}"' not in text]
+    assert not missing, f"steps without a test in test_gpucheck_gpu.py: {missing}"
