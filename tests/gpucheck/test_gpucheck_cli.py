@@ -176,3 +176,24 @@ def test_every_step_has_a_gpu_test():
     text = (Path(__file__).parent / "test_gpucheck_gpu.py").read_text()
     missing = [name for name in steps.NAMES if f'"{name}"' not in text]
     assert not missing, f"steps without a test in test_gpucheck_gpu.py: {missing}"
+
+
+def test_ctrl_c_stops_the_running_step_and_records_interrupted(tmp_path, monkeypatch, no_leftover_children):
+    import signal
+    import threading
+    import time
+
+    from moebench import signals
+    from moebench.errors import Interrupted
+
+    hang = steps.Step(name="hang", title="hangs", budget_s=60, commands=lambda ctx: [[sys.executable, "-c", HANG]])
+    monkeypatch.setattr(steps, "STEPS", (hang,))
+    timer = threading.Timer(1.0, signals.on_signal, args=(signal.SIGINT, None))  # as the handler records Ctrl-C
+    timer.start()
+    start = time.monotonic()
+    with pytest.raises(Interrupted):
+        runner.run_gpu_check(FAKE_GPUS, fastmoe_src=None, fastmoe_build=None, results_dir=str(tmp_path / "r"))
+    timer.join()
+    assert time.monotonic() - start < 10  # at the next safe point, not at the 60 s deadline
+    (run,) = (tmp_path / "r" / "gpu-check").iterdir()
+    assert results.read_back(run / "summary.json")["status"] == "interrupted"
