@@ -80,8 +80,8 @@ clean:
 # ---------------------------------------------------------------- on a CUDA machine (docs/gpu.md)
 # make gpu-check PYTHON=/path/to/python FASTMOE_SRC=~/fastmoe WHEELS=~/wheels
 #   PYTHON       the interpreter whose torch is a CUDA build (the machine's own; never replaced)
-#   GPU_VENV     a venv made from PYTHON with --system-site-packages (default .venv-gpu); empty:
-#                install moebench's missing dependencies into PYTHON's own environment
+#   GPU_VENV     a venv that sees PYTHON's packages, its torch (default .venv-gpu); empty: install
+#                moebench's missing dependencies into PYTHON's own environment
 #   WHEELS       offline: a wheel folder (scripts/gpu-wheels.sh makes one); pip --no-index
 #   FASTMOE_SRC  a fastmoe source tree to build (never downloaded); else an installed fmoe
 # First, with nothing created: no CUDA GPU is one line ("no CUDA GPU: ...") and exit 2.

@@ -242,11 +242,7 @@ def run(src: str | None, out: Path, *, deadline_s: float, environ=None, python: 
     use_nccl, why = choose_use_nccl(facts, environ)
     doc: dict = {"use_nccl": use_nccl, "use_nccl_reason": why, "facts": dataclasses.asdict(facts), "attempts": [],
                  "site": None, "reused": False, "pitfall": None}
-    found = pitfall(facts, use_nccl)
-    if found is not None:
-        line = f"{found['id']}: {found['found']}" + (f"; fix: {found['hint']}" if found.get("hint") else "")
-        return EXIT_REFUSED, {**doc, "status": "refused", "pitfall": found, "reason": line}
-    if not src:
+    if not src:  # nothing to build: an installed fmoe, or nothing
         installed = check_import(python, None)
         if installed["ok"]:
             return 0, {**doc, "status": "pass", "reason": f"no FASTMOE_SRC: the installed fmoe ({installed['fmoe']})",
@@ -254,6 +250,10 @@ def run(src: str | None, out: Path, *, deadline_s: float, environ=None, python: 
         return EXIT_REFUSED, {**doc, "status": "refused", "import": installed,
                               "reason": "no fastmoe: pass FASTMOE_SRC= (--fastmoe-src) a clone of "
                                         "github.com/laekov/fastmoe"}
+    found = pitfall(facts, use_nccl)
+    if found is not None:
+        line = f"{found['id']}: {found['found']}" + (f"; fix: {found['hint']}" if found.get("hint") else "")
+        return EXIT_REFUSED, {**doc, "status": "refused", "pitfall": found, "reason": line}
     out.mkdir(parents=True, exist_ok=True)
     key = build_key(src, facts, use_nccl)
     stamp = out / STAMP
@@ -272,16 +272,14 @@ def run(src: str | None, out: Path, *, deadline_s: float, environ=None, python: 
             break
         t0 = time.monotonic()
         ok, error = compile_once(src, out, build_env(facts, nccl, out, environ), left, python)
+        imported = check_import(python, out / "site") if ok else None
+        if imported is not None and not imported["ok"]:  # e.g. an undefined NCCL symbol: as a failed build
+            ok, error = False, f"built, but it does not import: {imported['error']}"
         doc["attempts"].append({"use_nccl": nccl, "ok": ok, "elapsed_s": round(time.monotonic() - t0, 1),
                                 "error": error})
         if ok:
-            imported = check_import(python, out / "site")
-            doc.update({"use_nccl": nccl, "site": str(out / "site"), "import": imported,
-                        "status": "pass" if imported["ok"] else "fail",
+            doc.update({"use_nccl": nccl, "site": str(out / "site"), "import": imported, "status": "pass",
                         "reason": "built" + (" without NCCL after the NCCL build failed" if attempt else "")})
-            if not imported["ok"]:
-                doc["reason"] = f"built, but it does not import: {imported['error']}"
-                return 1, doc
             stamp.write_text(json.dumps({"key": key, "ok": True, "doc": {"use_nccl": nccl}}), encoding="utf-8")
             return 0, doc
     first = doc["attempts"][0]["error"]

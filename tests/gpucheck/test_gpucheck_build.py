@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 import textwrap
 from pathlib import Path
 
@@ -70,7 +69,7 @@ def test_a_cpu_torch_or_a_shadowed_tree_stops(tmp_path):
 
 
 def test_the_refusal_is_one_line_naming_the_fix(tmp_path):
-    code, doc = build.run(None, tmp_path / "out", deadline_s=60, environ={},
+    code, doc = build.run(str(_stand_in_fastmoe(tmp_path)), tmp_path / "out", deadline_s=60, environ={},
                           facts=_facts(tmp_path, release="11.8", torch_cuda="12.1"))
     assert code == build.EXIT_REFUSED and doc["status"] == "refused"
     assert doc["reason"].startswith("fastmoe.build: no: nvcc 11.8 vs torch's CUDA 12.1") and "fix: " in doc["reason"]
@@ -164,6 +163,16 @@ def test_a_failed_nccl_build_is_retried_without_nccl_on_one_gpu(tmp_path):
     assert doc["import"]["nccl_functions"] == []
 
 
+def test_a_build_that_does_not_import_is_retried_too(tmp_path):
+    src = _stand_in_fastmoe(tmp_path)
+    setup = (src / "setup.py").read_text().replace(
+        'f.write("def global_scatter(): pass\\n" if', 'f.write("import ncclUndefinedSymbol\\n" if')
+    (src / "setup.py").write_text(setup)
+    code, doc = build.run(str(src), tmp_path / "out", deadline_s=200, environ=dict(os.environ), facts=_facts(tmp_path))
+    assert code == 0 and [a["ok"] for a in doc["attempts"]] == [False, True]
+    assert doc["attempts"][0]["error"].startswith("built, but it does not import:")
+
+
 def test_with_two_gpus_a_failed_nccl_build_fails(tmp_path):
     src = _stand_in_fastmoe(tmp_path)
     environ = {**os.environ, "FAKE_NCCL_BUILD_FAILS": "1"}
@@ -175,10 +184,22 @@ def test_with_two_gpus_a_failed_nccl_build_fails(tmp_path):
 
 def test_the_module_prints_one_json_document(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(build, "gather", lambda environ=None: _facts(tmp_path, torch_cuda=None))
-    code = build.main(["--out", str(tmp_path / "o")])
+    code = build.main(["--out", str(tmp_path / "o"), "--src", str(_stand_in_fastmoe(tmp_path))])
     doc = json.loads(capsys.readouterr().out)
     assert code == 2 and doc["status"] == "refused" and "CPU build" in doc["reason"]
-    assert sys.executable  # the child python the runner uses
+
+
+def test_without_a_source_an_installed_fmoe_is_used_else_it_says_how(tmp_path, monkeypatch):
+    code, doc = build.run(None, tmp_path / "o", deadline_s=30, environ={}, facts=_facts(tmp_path))
+    assert code == 2 and doc["reason"].startswith("no fastmoe: pass FASTMOE_SRC=")
+    site = tmp_path / "installed"
+    (site / "fmoe").mkdir(parents=True)
+    (site / "fmoe" / "__init__.py").write_text("")
+    (site / "fmoe_cuda.py").write_text("def global_scatter(): pass\n")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    code, doc = build.run(None, tmp_path / "o", deadline_s=30, environ={}, facts=_facts(tmp_path, release="11.8"))
+    assert code == 0 and doc["reason"].startswith("no FASTMOE_SRC: the installed fmoe")  # no build: no pitfall
+    assert not (tmp_path / "o").exists()
 
 
 def test_nccl_h_is_found_in_the_site_packages_a_venv_sees(tmp_path, monkeypatch):
