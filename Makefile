@@ -2,6 +2,7 @@
 #   make all    create .venv, install, then env-check, every variant's chapter preset, the parity
 #               suite and the report: did the chapter reproduce? (about 5 minutes on 2 CPU cores)
 #   make test   install if needed, run the default test suite
+#   make gpu-check PYTHON=... FASTMOE_SRC=... WHEELS=...   on a CUDA machine (README: On a CUDA machine)
 #
 # Torch is always installed pinned (== a version, @ a URL, or a wheel file). Override the pin or
 # where torch comes from, never drop it; TORCH_PIP_ARGS applies to the torch install only:
@@ -24,7 +25,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.moebench-installed-$(shell printf '%s %s %s' '$(TORCH_SPEC)' '$(TORCH_PIP_ARGS)' '$(CONSTRAINTS)' \
 	| cksum | cut -d' ' -f1)
 
-.PHONY: all install lint test test-all env-check run-all verify-parity report clean
+.PHONY: all install lint test test-all env-check run-all verify-parity report clean gpu-check
 
 # The steps run in order; a failing step does not stop the later ones (the report says what failed),
 # but `make all` exits non-zero when any did. The report reads only the runs this `make all` made.
@@ -75,3 +76,27 @@ report: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# ---------------------------------------------------------------- on a CUDA machine (docs/gpu.md)
+# make gpu-check PYTHON=/path/to/python FASTMOE_SRC=~/fastmoe WHEELS=~/wheels
+#   PYTHON       the interpreter whose torch is a CUDA build (the machine's own; never replaced)
+#   GPU_VENV     a venv that sees PYTHON's packages, its torch (default .venv-gpu); empty: install
+#                moebench's missing dependencies into PYTHON's own environment
+#   WHEELS       offline: a wheel folder (scripts/gpu-wheels.sh makes one); pip --no-index
+#   FASTMOE_SRC  a fastmoe source tree to build (never downloaded); else an installed fmoe
+# First, with nothing created: no CUDA GPU is one line ("no CUDA GPU: ...") and exit 2.
+GPU_VENV        ?= .venv-gpu
+WHEELS          ?=
+FASTMOE_SRC     ?=
+GPU_CONSTRAINTS ?= $(CONSTRAINTS)
+GPU_CHECK_ARGS  ?=
+GPU_PY = $(if $(GPU_VENV),$(GPU_VENV)/bin/python,$(PYTHON))
+GPU_PREFLIGHT = PYTHONDONTWRITEBYTECODE=1 PYTHONPATH=$(CURDIR) $(PYTHON) -m moebench.gpucheck.preflight
+
+gpu-check:
+	$(eval GPU_SEEN := $(shell $(GPU_PREFLIGHT) --make 2>/dev/null))
+	$(if $(filter ok,$(firstword $(GPU_SEEN))),,$(error $(or $(GPU_SEEN),no CUDA GPU: PYTHON=$(PYTHON) does not run)))
+	@PYTHONDONTWRITEBYTECODE=1 PYTHONPATH=$(CURDIR) $(PYTHON) -m moebench.gpucheck.install --python $(PYTHON) \
+		--venv '$(GPU_VENV)' --wheels '$(WHEELS)' --constraints '$(GPU_CONSTRAINTS)'
+	@rc=0; $(GPU_PY) -m moebench gpu-check $(if $(FASTMOE_SRC),--fastmoe-src '$(FASTMOE_SRC)') $(GPU_CHECK_ARGS) \
+		|| rc=$$?; $(GPU_PY) -m moebench report || true; exit $$rc

@@ -220,7 +220,8 @@ def read_back(path: str | os.PathLike, *, cut_tail_ok: bool = False) -> Any:
     return records
 
 
-RUN_FILES = ("summary.json", "config.json", "params.json", "env.json", "envcheck.json", "metrics.jsonl")
+RUN_FILES = ("summary.json", "config.json", "params.json", "env.json", "envcheck.json", "gpucheck.json",
+             "metrics.jsonl")
 """The files of a run folder that have a schema, in the order `read_run` checks them."""
 
 

@@ -27,9 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 DOC_COMMAND = {"run-fastmoe.md": "run fastmoe", "run-deepspeed.md": "run deepspeed",
                "verify-parity.md": "verify-parity", "env-check.md": "env-check", "report.md": "report",
-               "bench.md": "bench"}
+               "bench.md": "bench", "gpu.md": "gpu-check"}
 """The command a doc is about: a flag it names with no command before it is that command's."""
-COMMANDS = ("env-check", "verify-parity", "report", "bench", "runs", "run fastmoe", "run deepspeed", "run")
+COMMANDS = ("env-check", "verify-parity", "report", "bench", "runs", "gpu-check", "run fastmoe", "run deepspeed",
+            "run")
 OTHER_PROGRAMS = ("make", "pip", "torchrun", "deepspeed", "python", "python3", "pytest", "nvcc", "git", "apt-get",
                   "script", "ss", "export", "ruff", "sudo", "docker", "srun", "uv", ".venv/bin/pip")
 """A code span that starts with one of these is that program's command line (its flags are not
@@ -38,7 +39,8 @@ moebench's), up to a `moebench <command>` inside it."""
 FLAG = re.compile(r"(?<![\w/-])(--(?:\[no-\])?[A-Za-z][\w-]*)((?:[ =])[a-z0-9]+(?:\|[a-z0-9]+)+)?")
 """A long flag, with an `a|b|c` list of choices after it if the doc gives one."""
 COMMAND_AT = re.compile(r"(?:(?:^|(?<=[\s(]))(?:python -m |\.venv/bin/)?moebench\s+(?:--debug\s+)?|^)"
-                        r"(env-check|verify-parity|report|bench|runs|run\s+(?:fastmoe|deepspeed|<variant>)|run)(?![\w-])")
+                        r"(env-check|verify-parity|report|bench|runs|gpu-check|run\s+(?:fastmoe|deepspeed|<variant>)|run)"
+                        r"(?![\w-])")
 PLACEHOLDERS = {"--flag"}
 """Not a flag: how a doc writes "the flag at fault" (`error: --flag: ...`)."""
 
@@ -303,7 +305,8 @@ def test_the_record_fields_a_run_doc_names_exist(variant):
     assert not wrong, "\n".join(wrong)
 
 
-LEAF_COMMANDS = [c for c in ("env-check", "verify-parity", "report", "bench", "runs", "run fastmoe", "run deepspeed")]
+LEAF_COMMANDS = [c for c in ("env-check", "verify-parity", "report", "bench", "runs", "gpu-check", "run fastmoe",
+                             "run deepspeed")]
 BARE_TYPES = re.compile(r"<str>|<(?:int|float) range>")
 """Typer's placeholders for an option without a metavar: they say nothing about the value."""
 

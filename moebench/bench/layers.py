@@ -58,14 +58,15 @@ def balanced_routing(p: Point) -> tuple[torch.Tensor, torch.Tensor]:
     return idx, score
 
 
-def expert_weights(p: Point, seed: int = 0) -> tuple[torch.Tensor, ...]:
+def expert_weights(p: Point, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                   ) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     s1, s2 = p.d_model ** -0.5, p.d_hidden ** -0.5
     w1 = (torch.rand(p.experts, p.d_hidden, p.d_model, generator=g) * 2 - 1) * s1
     b1 = torch.zeros(p.experts, p.d_hidden)
     w2 = (torch.rand(p.experts, p.d_model, p.d_hidden, generator=g) * 2 - 1) * s2
     b2 = torch.zeros(p.experts, p.d_model)
-    return tuple(t.requires_grad_() for t in (w1, b1, w2, b2))
+    return tuple(t.to(device, dtype).requires_grad_() for t in (w1, b1, w2, b2))
 
 
 def per_expert_leaves(stacked: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor], ...]:
@@ -83,8 +84,9 @@ def grouped_mm_experts(slots: torch.Tensor, counts: list[int], w1, b1, w2, b2) -
     """Same as `per_expert_loop` with one grouped GEMM per matmul. torch 2.13 CPU needs: offs int32
     and cumulative (ends), every stride a multiple of 16 bytes, and a contiguous grad_output (an
     expanded one from `.sum().backward()` raises "Invalid strides/sizes ... [0, 0]")."""
-    offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    ids = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    offs = torch.tensor(counts, dtype=torch.int32, device=slots.device).cumsum(0, dtype=torch.int32)
+    ids = torch.repeat_interleave(torch.arange(len(counts), device=slots.device),
+                                  torch.tensor(counts, device=slots.device))
     h = torch._grouped_mm(slots, w1.transpose(-2, -1), offs=offs) + b1[ids]
     return torch._grouped_mm(F.gelu(h), w2.transpose(-2, -1), offs=offs) + b2[ids]
 
@@ -122,10 +124,12 @@ class _DeepSpeed:
         self.stack.close()
 
 
-def build_layers(p: Point, layers: tuple[str, ...], ds: _DeepSpeed) -> tuple[dict[str, Callable], dict[str, str]]:
-    """One zero-argument fwd+bwd callable per layer that can run; a skip reason for the rest."""
+def build_layers(p: Point, layers: tuple[str, ...], ds: _DeepSpeed, *, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> tuple[dict[str, Callable], dict[str, str]]:
+    """One zero-argument fwd+bwd callable per layer that can run; a skip reason for the rest. Every
+    tensor and module is on `device` in `dtype` (gpu-check times CUDA in fp32 and bf16)."""
     torch.manual_seed(0)
-    x = torch.randn(1, p.tokens, p.d_model)
+    x = torch.randn(1, p.tokens, p.d_model).to(device, dtype)
     slots_n = p.tokens * p.top_k
     counts = balanced_counts(slots_n, p.experts)
     slots = x.reshape(-1, p.d_model).repeat_interleave(p.top_k, 0).detach().requires_grad_()
@@ -136,22 +140,22 @@ def build_layers(p: Point, layers: tuple[str, ...], ds: _DeepSpeed) -> tuple[dic
             if name == "ideal":
                 # One leaf per expert (as the reference's modules): indexing a stacked leaf would
                 # make backward write a full [E, ...] zero gradient per expert (E^2 traffic).
-                w = per_expert_leaves(expert_weights(p))
+                w = per_expert_leaves(expert_weights(p, device=device, dtype=dtype))
                 fns[name] = lambda w=w: _backward(per_expert_loop(slots, counts, *w))
             elif name == "grouped-mm":
                 if not hasattr(torch, "_grouped_mm"):
                     raise RuntimeError("torch._grouped_mm missing in this torch")
-                w = expert_weights(p)
+                w = expert_weights(p, device=device, dtype=dtype)
                 _backward(grouped_mm_experts(slots, counts, *w))  # probe: raises if unsupported
                 fns[name] = lambda w=w: _backward(grouped_mm_experts(slots, counts, *w))
             elif name == "dense":
-                w = per_expert_leaves(expert_weights(dataclasses.replace(p, experts=1)))
+                w = per_expert_leaves(expert_weights(dataclasses.replace(p, experts=1), device=device, dtype=dtype))
                 fns[name] = lambda w=w: _backward(per_expert_loop(slots, [slots_n], *w))
             elif name == "reference":
                 from moebench.models.moe import build_moe_mlp
 
                 layer = build_moe_mlp(backend="reference", experts=p.experts, d_model=p.d_model,
-                                      d_hidden=p.d_hidden, top_k=p.top_k, gate="naive")
+                                      d_hidden=p.d_hidden, top_k=p.top_k, gate="naive").to(device, dtype)
                 xr = x.clone().requires_grad_()
                 fns[name] = lambda m=layer, xr=xr: _backward(m(xr)[0])
             elif name == "reference-balanced":
@@ -160,8 +164,8 @@ def build_layers(p: Point, layers: tuple[str, ...], ds: _DeepSpeed) -> tuple[dic
                 from moebench.models.moe import build_moe_mlp
 
                 layer = build_moe_mlp(backend="reference", experts=p.experts, d_model=p.d_model,
-                                      d_hidden=p.d_hidden, top_k=p.top_k, gate="naive")
-                idx, score = balanced_routing(p)
+                                      d_hidden=p.d_hidden, top_k=p.top_k, gate="naive").to(device, dtype)
+                idx, score = (t.to(device) for t in balanced_routing(p))
                 xr = x.reshape(-1, p.d_model).clone().requires_grad_()
                 fns[name] = lambda m=layer, xr=xr: _backward(m.moe_forward(xr, idx, score))
             elif name.startswith("deepspeed-cf"):
@@ -177,18 +181,21 @@ def build_layers(p: Point, layers: tuple[str, ...], ds: _DeepSpeed) -> tuple[dic
                                          noisy_gate_policy="none", use_residual=False, drop_tokens=True,
                                          use_rts=False, ep_size=1)
                 layer = DeepSpeedMoEMLP(cfg, d_model=p.d_model, experts=p.experts, seed=0,
-                                        top2_2nd_expert_sampling=False)
+                                        top2_2nd_expert_sampling=False).to(device, dtype)
                 xr = x.clone().requires_grad_()
                 fns[name] = lambda m=layer, xr=xr: _backward(m(xr)[0])
             elif name == "fmoe":
                 if not torch.cuda.is_available():
                     raise RuntimeError("no CUDA GPU; fastmoe's kernels are CUDA-only")
+                if not str(device).startswith("cuda"):
+                    raise RuntimeError(f"fastmoe's kernels are CUDA-only and this sweep runs on {device}")
                 import fmoe  # noqa: F401
 
                 from moebench.models.moe import build_moe_mlp
 
                 layer = build_moe_mlp(backend="fmoe", experts=p.experts, d_model=p.d_model,
-                                      d_hidden=p.d_hidden, top_k=p.top_k, gate="naive")
+                                      d_hidden=p.d_hidden, top_k=p.top_k, gate="naive",
+                                      device="cuda").to(device, dtype)
                 xr = x.clone().requires_grad_()
                 fns[name] = lambda m=layer, xr=xr: _backward(m(xr)[0])
             else:
@@ -322,12 +329,13 @@ def run_sweep(points: list[Point], layers: tuple[str, ...] = LAYERS, repeats: in
     """Time every layer at every point; rows carry medians, spreads and same-process ratios."""
     ds = _DeepSpeed()
     rows, breakdown = [], []
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # what each row's "device" says (and time_call times)
     try:
         for p in points:
             signals.check()  # a safe point between points
             if log:
                 log(f"E={p.experts} T={p.tokens} k={p.top_k} d={p.d_model}/{p.d_hidden}")
-            fns, skipped = build_layers(p, layers, ds)
+            fns, skipped = build_layers(p, layers, ds, device=device)
             peak = warm_up(fns, warmup)
             times: dict[str, list[float]] = {n: [] for n in fns}
             for _ in range(max(repeats, 1)):
@@ -335,8 +343,7 @@ def run_sweep(points: list[Point], layers: tuple[str, ...] = LAYERS, repeats: in
                     times[name].append(time_call(fn))
             med = {n: statistics.median(t) for n, t in times.items()}
             for name in layers:
-                row = {"layer": name, **dataclasses.asdict(p), "threads": torch.get_num_threads(),
-                       "device": "cuda" if torch.cuda.is_available() else "cpu"}
+                row = {"layer": name, **dataclasses.asdict(p), "threads": torch.get_num_threads(), "device": device}
                 if name in skipped:
                     rows.append({**row, "skipped": skipped[name]})
                     continue

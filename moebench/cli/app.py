@@ -125,7 +125,7 @@ def _root(
 
 
 def _compose() -> None:
-    from moebench.cli import bench, envcheck, parity, report, run, runs
+    from moebench.cli import bench, envcheck, gpucheck, parity, report, run, runs
 
     app.add_typer(envcheck.app)  # a Typer with one command: merged, so `env-check` is a leaf command
     app.add_typer(run.app, name="run")
@@ -133,6 +133,7 @@ def _compose() -> None:
     app.add_typer(runs.app)
     app.add_typer(bench.app)
     app.add_typer(report.app)
+    app.add_typer(gpucheck.app)
 
 
 _compose()

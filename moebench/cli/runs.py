@@ -16,7 +16,7 @@ app = typer.Typer()
 
 KIND_BOUND = Name(what="kind")
 """--kind: a run kind's folder name (fastmoe, parity, ...): a name, not a path."""
-COMMAND_KINDS = ("env", "parity", "bench", "report")
+COMMAND_KINDS = ("env", "parity", "bench", "report", "gpu-check")
 """Kinds the commands other than `run` write (results/<kind>/); `run`'s are the variants' names."""
 GAP = "  "
 """Between two columns of the listing."""
@@ -33,7 +33,7 @@ EXAMPLES = """Examples:
 def runs(
     kind: Optional[str] = flags.bounded_option(
         None, "--kind", bound=KIND_BOUND, metavar="KIND",
-        help="Only this kind (fastmoe, deepspeed, parity, env, bench, report)."),
+        help="Only this kind (fastmoe, deepspeed, parity, env, bench, report, gpu-check)."),
     results_dir: Optional[str] = flags.shared_option("results_dir"),
     as_json: bool = flags.shared_option("as_json"),
 ) -> None:

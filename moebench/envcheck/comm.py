@@ -22,6 +22,15 @@ def torch_nccl_version() -> tuple[versions.Version | None, str]:
     return versions.normalize_nccl_version(raw), repr(raw)
 
 
+def _site_packages() -> list[str]:
+    import site
+
+    try:
+        return list(site.getsitepackages())
+    except AttributeError:  # an old virtualenv's site module
+        return []
+
+
 def nccl_header_candidates(environ=None) -> list[str]:
     """Where a fastmoe build looks for nccl.h: NCCL_HOME / NCCL_INCLUDE_DIR, CUDA_HOME, system, pip's nvidia-nccl."""
     environ = os.environ if environ is None else environ
@@ -33,6 +42,8 @@ def nccl_header_candidates(environ=None) -> list[str]:
     ]
     dirs += ["/usr/local/cuda/include", "/usr/include", "/usr/local/include"]
     dirs += glob.glob(os.path.join(sys.prefix, "lib", "python3*", "site-packages", "nvidia", "nccl", "include"))
+    # A venv made with --system-site-packages (make gpu-check) sees the machine's nvidia-nccl there.
+    dirs += [os.path.join(p, "nvidia", "nccl", "include") for p in _site_packages()]
     seen, out = set(), []
     for d in dirs:
         if d and d not in seen:

@@ -532,7 +532,11 @@ def build_report(paths: list[str], *, root: str | None = None, since: str | None
         sweep, train = _latest_bench(root_path, "rows"), _latest_bench(root_path, "train")
         blocks += _bench_blocks(sweep, train, out)
         signals.check()
-        damaged = {kind: run for kind, run in [*primary.items(), ("bench", sweep or train)]
+        from moebench.report import gpu  # the GPU section: its own module (files only)
+
+        gpu_run = gpu.latest_run(root_path, since_time)
+        blocks += gpu.blocks(gpu_run, root_path)
+        damaged = {kind: run for kind, run in [*primary.items(), ("bench", sweep or train), (gpu.KIND, gpu_run)]
                    if run is not None and run.damage}
 
         results.write_text_atomic(out / "REPORT.md", markdown(blocks))

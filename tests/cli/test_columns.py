@@ -354,7 +354,8 @@ def test_runs_unknown_kind_is_bad_input(root):
                           capture_output=True, text=True, env=env, timeout=CLI_TIMEOUT_S)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "error: --kind: unknown kind foo; expected one of bench, deepspeed, env, fastmoe, parity, report"]
+        "error: --kind: unknown kind foo; expected one of bench, deepspeed, env, fastmoe, gpu-check, parity, "
+        "report"]
     proc = subprocess.run([sys.executable, "-m", "moebench", "runs", "--kind", "deepspeed", "--results-dir",
                            str(root)], capture_output=True, text=True, env=env, timeout=CLI_TIMEOUT_S)
     assert proc.returncode == 0 and proc.stdout.strip() == f"no deepspeed runs under {root}"

@@ -46,6 +46,9 @@ def healthy(tmp_path_factory) -> Path:
     for kind, args in HEALTHY.items():
         done = _cli(*args, "--results-dir", str(root))
         assert done.exit_code == 0, (kind, done.output)
+    from helpers.gpucheck import write_recorded_run
+
+    write_recorded_run(root)  # gpu-check needs a CUDA GPU: its recorded files (tests/gpucheck/recorded/)
     return root
 
 
