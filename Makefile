@@ -55,6 +55,7 @@ test: install lint
 
 lint: install
 	$(BIN)/ruff check moebench tests
+	$(BIN)/lint-imports --no-cache  # the layers and the library packages' independence (pyproject.toml)
 
 test-all: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -16,6 +16,9 @@ flag named after it (`batch_size` -> `--batch-size`), with its docstring as the 
 derives its flags from this tree (moebench/cli/flags.py), so nothing is written twice.
 
 This module imports no torch and no Typer: `moebench --help` stays fast.
+
+Over 400 lines: the config tree's machinery (presets, files, flags, bounds, validation) in one place, so what
+an option accepts is read in one file.
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ from typing import Any
 
 from moebench import bounds
 from moebench.bounds import Number
-from moebench.distributed.env import is_launched_rank
 from moebench.errors import UserError
+from moebench.rankenv import is_launched_rank
 
 SEED_LIMIT = 2**63
 """Seeds are 0 <= seed < 2**63: torch.Generator.manual_seed takes 64 bits, and every derived seed
@@ -158,7 +161,7 @@ def require_world_size(world_size: object) -> None:
 def require_launched_world(asked: int | None) -> None:
     """Under torchrun (or the deepspeed launcher) the job's WORLD_SIZE is the world size: a
     --world-size that says otherwise is refused, never silently replaced."""
-    from moebench.distributed.env import launched_world_size
+    from moebench.rankenv import launched_world_size
 
     launched = launched_world_size()
     if asked is not None and asked != launched:

@@ -37,7 +37,7 @@ def main() -> None:
 
 
 def _is_torch_rank() -> bool:
-    from moebench.distributed.env import is_launched_rank
+    from moebench.rankenv import is_launched_rank
 
     return is_launched_rank() and "torch.distributed" in sys.modules
 

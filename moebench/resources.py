@@ -16,8 +16,8 @@ inside any deadline moebench sets, and is refused the same way (`--force` runs i
 from __future__ import annotations
 
 from moebench.bounds import WEEK_S
-from moebench.distributed.env import local_world_size
 from moebench.errors import UserError
+from moebench.rankenv import local_world_size
 
 BYTES_PER_WEIGHT = 16
 """fp32 weight + gradient + Adam's exp_avg and exp_avg_sq."""

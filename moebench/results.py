@@ -11,6 +11,9 @@ Layout of a run folder (every command that records anything uses this and nothin
 Every JSON file is written to a temporary name in the same folder and renamed into place, so a
 reader never sees half a file. The folder is created only when a run really starts: commands
 validate their input first, so bad input leaves nothing under results/.
+
+Over 400 lines: the one results writer and its reader (atomic files, the run folder's lifetime, read-back
+through the schemas), kept together so a written file and its reading cannot drift apart.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from moebench.distributed.env import launcher
+from moebench.rankenv import launcher
 
 RESULTS_ENV = "MOEBENCH_RESULTS"
 """Environment variable that moves the results root (default: ./results)."""

@@ -14,8 +14,8 @@ from moebench.bench import layers as core_layers
 from moebench.bench import parallel as core_parallel
 from moebench.bench import train_step
 from moebench.cli.app import app
-from moebench.distributed.env import usable_cores
 from moebench.models.moe import build_moe_mlp
+from moebench.rankenv import usable_cores
 
 
 def test_bench_command_fields(tmp_path):

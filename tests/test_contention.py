@@ -8,7 +8,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from moebench import contention, train
+from moebench import contention, loop
 from moebench.cli.app import app
 
 
@@ -31,7 +31,7 @@ def _fake_sampler(others_cores: float, steal_pct: float = 0.0):
 
 def _run(monkeypatch, tmp_path, others_cores: float):
     monkeypatch.setattr(contention, "sample", _fake_sampler(others_cores))
-    monkeypatch.setattr("moebench.distributed.env.usable_cores", lambda: 2)
+    monkeypatch.setattr("moebench.rankenv.usable_cores", lambda: 2)
     result = CliRunner().invoke(app, ["run", "fastmoe", "--steps", "3", "--moe-impl", "reference",
                                       "--results-dir", str(tmp_path)])
     assert result.exit_code == 0, result.output
@@ -73,7 +73,7 @@ def test_the_progress_bar_shows_the_summarys_steady_figure(monkeypatch, tmp_path
 
         start = stop = lambda self: None
 
-    monkeypatch.setattr(train, "_progress", FakeProgress)
+    monkeypatch.setattr(loop, "_progress", FakeProgress)
     writer = results.RunDir.create("fastmoe", "t", tmp_path)
     times = iter([0.01, 0.02, 0.03, 0.01, 0.02, 0.05])
 
@@ -83,8 +83,8 @@ def test_the_progress_bar_shows_the_summarys_steady_figure(monkeypatch, tmp_path
         time.sleep(next(times))
         return {"loss": 1.0}
 
-    history = train.train_loop(step, train.LoopSpec(total_steps=6, steps_per_epoch=6, tokens_per_step=100),
-                               writer=writer)
+    history = loop.train_loop(step, loop.LoopSpec(total_steps=6, steps_per_epoch=6, tokens_per_step=100),
+                              writer=writer)
     assert shown[-1] == history["tokens_per_s_steady"]
 
 
@@ -117,7 +117,7 @@ def test_a_target_is_not_judged_against_an_implausible_baseline():
 
 def test_one_repeat_shows_no_spread_and_the_report_says_one_timing(tmp_path):
     from moebench.bench.output import format_table
-    from moebench.report.build import _timing_words
+    from moebench.report.sections.bench import _timing_words
 
     one = {"rows": [_bench_row("ideal", 4, 1000.0, repeats=1)], "breakdown": [], "threads": 2, "torch": "x"}
     three = {**one, "rows": [_bench_row("ideal", 4, 1000.0, repeats=3, spread=0.25)]}

@@ -9,7 +9,9 @@ import torch
 import torch.distributed as dist
 
 from moebench import results
-from moebench.train import LoopSpec, RunFailed, execute_run, train_loop
+from moebench.errors import RunFailed
+from moebench.loop import LoopSpec, train_loop
+from moebench.train import execute_run
 
 
 def _toy_rank(ctx, run_path, steps, fail_at):

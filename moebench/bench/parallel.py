@@ -23,7 +23,7 @@ import torch
 
 from moebench import signals
 from moebench.bench.layers import Point, profile_shares, release_memory, time_call, warm_up
-from moebench.distributed.env import usable_cores
+from moebench.rankenv import usable_cores
 
 EP_LAYERS = ("reference-ep", "deepspeed-ep-cf1")
 

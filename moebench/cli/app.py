@@ -85,7 +85,7 @@ class _Group(WholeSentenceGroup):
 
 def _talks() -> bool:
     """Only rank 0 of a launched job prints (`moebench --debug` lets every rank talk)."""
-    from moebench.distributed.env import debug, is_printer
+    from moebench.rankenv import debug, is_printer
 
     return is_printer() or debug()
 
@@ -118,7 +118,7 @@ def _root(
     """moebench: env-check, run <variant>, verify-parity."""
     import os
 
-    from moebench.distributed.env import DEBUG_ENV
+    from moebench.rankenv import DEBUG_ENV
 
     if debug:
         os.environ[DEBUG_ENV] = "1"  # read by every rank, forked or started by torchrun

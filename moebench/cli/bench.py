@@ -140,8 +140,8 @@ def bench(
     from moebench.bench import core
     from moebench.bench.parallel import EP_LAYERS
     from moebench.config import require_positive, require_world_size
-    from moebench.distributed.env import is_launched_rank
     from moebench.errors import UserError
+    from moebench.rankenv import is_launched_rank
 
     if is_launched_rank():  # it times one process, then starts its own ranks: one rank of a job cannot
         raise UserError("bench times one process, then starts its own local ranks, but RANK and WORLD_SIZE say "

@@ -49,7 +49,7 @@ def env_check(
     if as_json and report:
         raise UserError("cannot be combined with --json (pick one output)", flag="--report")
     from moebench import results
-    from moebench.distributed.env import is_printer
+    from moebench.rankenv import is_printer
 
     results.check_root(results_dir, "env")
     if not is_printer():  # under torchrun: rank 0 probes, prints and saves; the others stay quiet

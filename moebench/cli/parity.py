@@ -9,8 +9,8 @@ import typer
 
 from moebench.bounds import Items, Name, Path, Text
 from moebench.cli import flags
-from moebench.distributed.env import is_printer as _is_printer
 from moebench.errors import UserError
+from moebench.rankenv import is_printer as _is_printer
 
 app = typer.Typer()
 
@@ -319,9 +319,9 @@ def verify_parity(
 
     from moebench.config import require_launched_world
     from moebench.console import stdout_to_stderr
-    from moebench.distributed.env import is_launched_rank
     from moebench.parity.runner import parity_config
     from moebench.parity.runner import verify_parity as run
+    from moebench.rankenv import is_launched_rank
     from moebench.resources import require_ranks_fit
     from moebench.results import check_root
 

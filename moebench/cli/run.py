@@ -66,7 +66,7 @@ def preset_bound(variant_name: str):
 def run_variant_command(variant, preset, overrides, *, show_config: bool, force: bool, results_dir,
                         as_json: bool) -> None:
     from moebench import train
-    from moebench.distributed.env import is_printer
+    from moebench.rankenv import is_printer
 
     notes: list[str] = []
     config = variants.checked_config(variant, preset, overrides, results_dir=results_dir, force=force, notes=notes)

@@ -17,6 +17,9 @@ Guarantees, whatever the function does:
   grace period, then are dumped and killed;
 - no process outlives the call: success, failure, hang, Ctrl-C or SIGTERM. Children die with the
   parent too (PR_SET_PDEATHSIG), so even a SIGKILLed parent leaves no orphan.
+
+Over 400 lines: local ranks and torchrun ranks give the same guarantees (deadline, stacks of hung ranks,
+errors back, no orphan); one module keeps both paths side by side.
 """
 
 from __future__ import annotations
@@ -47,9 +50,9 @@ import torch
 import torch.distributed as dist
 
 from moebench import signals, tempdirs
-from moebench.distributed.env import debug, local_world_size, rank_threads
-from moebench.distributed.env import is_launched_rank as under_torchrun
 from moebench.errors import UserError
+from moebench.rankenv import debug, local_world_size, rank_threads
+from moebench.rankenv import is_launched_rank as under_torchrun
 from moebench.signals import sigterm_as_interrupt  # noqa: F401 - the run driver and parity use it from here
 
 # After one rank fails, the others get this long to finish or fail on their own (their collective

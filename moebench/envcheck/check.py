@@ -5,8 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
-STATUSES = (OK, WARN, FAIL, SKIP)
+from moebench.status import FAIL, OK, SKIP, STATUSES, WARN  # noqa: F401 - every probe names them from here
 
 SCHEMA = "moebench.env-check/1"
 """Bumped when a field of the JSON document changes meaning or disappears."""

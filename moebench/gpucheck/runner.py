@@ -23,9 +23,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from moebench import __version__, results, signals
+from moebench import results, signals
 from moebench.gpucheck import judge, steps
 from moebench.gpucheck.preflight import Gpus
+from moebench.version import __version__
 
 SCHEMA = "moebench.gpu-check/1"
 REPORT_FILE = "gpucheck.json"

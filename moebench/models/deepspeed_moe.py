@@ -175,9 +175,14 @@ class DeepSpeedMoEMLP(nn.Module):
         return "moe-other"
 
 
+TINY_EXPERT_PREFIX = "moe.moe.deepspeed_moe.experts.deepspeed_experts."
+"""How TinyMoENet names its experts' parameters: "<prefix><local slot>.<rest>"."""
+
+
 class TinyMoENet(nn.Module):
     """The parity checks' small model: Linear -> tanh -> DeepSpeedMoEMLP (experts seeded by global index,
-    deterministic top-2) -> Linear; forward(x) -> (y, l_aux). The same weights for every ep_size."""
+    deterministic top-2) -> Linear; forward(x) -> (y, l_aux). The same weights for every ep_size; its experts'
+    parameters are named TINY_EXPERT_PREFIX + "<local slot>.<rest>"."""
 
     def __init__(self, moe, experts: int, seed: int, ep_rank: int, d_model: int = 8) -> None:
         super().__init__()

@@ -28,8 +28,9 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from moebench.models.deepspeed_moe import TinyMoENet
+from moebench.models.deepspeed_moe import TINY_EXPERT_PREFIX, TinyMoENet
 from moebench.parity.compare import SEED_DEEPSPEED, STRICT, Tolerance, compare, pick
+from moebench.parity.layout import ExpertLayout
 from moebench.parity.registry import Check, CheckOptions, SkipCheck, register
 
 STAGES = (0, 1, 2)
@@ -45,15 +46,6 @@ UPDATE_ULPS = 4
 """An update is read as after - before of float32 parameters: each side carries up to half an ulp
 of rounding, and the summation order of the reduction adds its own; 4 ulps of the largest |parameter|
 bound both (a gradient reduced 2 x too large is off by lr x |g| ~ 1e-3, 10^4 x more)."""
-
-
-def _global_name(name: str, rank: int, n: int) -> str:
-    """A local expert's parameter name -> the same expert's name in the ep_size = 1 model."""
-    parts = name.split(".")
-    if "deepspeed_experts" in parts:
-        i = parts.index("deepspeed_experts") + 1
-        parts[i] = str(rank * n + int(parts[i]))
-    return ".".join(parts)
 
 
 def _engine(model, stage: int, world: int):
@@ -108,6 +100,7 @@ def _rank(ctx, opts: CheckOptions) -> list:
     tol, asserted = pick(opts.tolerance, strict=STRICT, seed=SEED_DEEPSPEED)
     r, w = ctx.rank, ctx.world_size
     experts = EXPERTS_PER_RANK * w
+    layout = ExpertLayout(experts, w)  # ep_size = W: rank r is ep rank r
     out: list = []
     with new_groups_time_out_after(group_timeout_s(opts.timeout_s)), \
             deepspeed_comm(ctx, compiled_ops=False, timeout_s=opts.timeout_s), quiet_deepspeed():
@@ -137,20 +130,20 @@ def _rank(ctx, opts: CheckOptions) -> list:
                 out.append(compare(f"{tag}: loss (mean over ranks)", losses[w], losses[1], tol, asserted=asserted,
                                    world_size=w))
                 for name, p in (names[w].items() if stage == 0 else ()):
-                    q = names[1][_global_name(name, r, EXPERTS_PER_RANK)]
+                    q = names[1][layout.global_name(name, TINY_EXPERT_PREFIX, r)]
                     gp, gq = safe_get_full_grad(p), safe_get_full_grad(q)
                     if gp is None or gq is None:
                         continue
-                    label = name.replace("moe.moe.deepspeed_moe.experts.deepspeed_experts.", "expert ")
+                    label = name.replace(TINY_EXPERT_PREFIX, "expert ")
                     out.append(compare(f"{tag}: {label} grad after the engine's reduction", gp, gq, tol,
                                        asserted=asserted, world_size=w))
                 before = {ep: {n: p.detach().clone() for n, p in names[ep].items()} for ep in (w, 1)}
                 for engine in engines.values():
                     engine.step()
                 for name, p in names[w].items():
-                    global_name = _global_name(name, r, EXPERTS_PER_RANK)
+                    global_name = layout.global_name(name, TINY_EXPERT_PREFIX, r)
                     q = names[1][global_name]
-                    label = name.replace("moe.moe.deepspeed_moe.experts.deepspeed_experts.", "expert ")
+                    label = name.replace(TINY_EXPERT_PREFIX, "expert ")
                     update_w = p.detach().double() - before[w][name].double()
                     update_1 = q.detach().double() - before[1][global_name].double()
                     # An expert no token reached has a zero update: comparing zeros would be vacuous,

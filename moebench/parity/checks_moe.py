@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from moebench.parity.compare import SEED_ALLCLOSE_DEFAULT, STRICT, compare, pick
 from moebench.parity.diagnose import no_backward_exchange, rank_local, unrouted_slots
+from moebench.parity.layout import ExpertLayout
 from moebench.parity.registry import Check, CheckOptions, SkipCheck, impl_or_default, register
 
 D_MODEL = 8
@@ -33,12 +34,6 @@ TOKENS_PER_RANK = 16  # equal on every rank (global mean = mean of rank means); 
 STEPS = 2
 LR = 0.5
 TOKEN_SCALE = 4.0  # |randn(8)| ~ 2.8: a steered token dominates its gate logits
-
-
-def _global_expert_key(key: str, rank: int, num_local_experts: int) -> str:
-    """"experts.<i>.rest" on `rank` -> the one-process key of the same expert."""
-    _, i, rest = key.split(".", 2)
-    return f"experts.{rank * num_local_experts + int(i)}.{rest}"
 
 
 def _first(out):
@@ -118,6 +113,7 @@ def _rank(ctx, opts: CheckOptions) -> list:
     tol, asserted = pick(opts.tolerance, strict=STRICT, seed=SEED_ALLCLOSE_DEFAULT)
     r, w = ctx.rank, ctx.world_size
     experts = EXPERTS_PER_RANK * w
+    layout = ExpertLayout(experts, w)  # rank r holds experts r*n .. r*n+n-1
     torch.manual_seed(opts.seed)
     # moebench's layer only as the holder of the reference weights (fastmoe's init and keys);
     # the reference forward is the dense math below, independent of any implementation.
@@ -174,7 +170,7 @@ def _rank(ctx, opts: CheckOptions) -> list:
         results.append(compare(f"{prefix}: input grad", x.grad, big_x.grad[rows] * w, tol, asserted=asserted,
                                alternatives=wrong_input))
         for name, p in local.named_parameters():
-            ref_name = _global_expert_key(name, r, EXPERTS_PER_RANK) if name.startswith("experts.") else name
+            ref_name = layout.global_name(name, "experts.", r)
             q = single_params[ref_name]
             got = p.grad if p.grad is not None else torch.zeros_like(p)
             wrong = {"rank-local": rank_local(alone[ref_name])}
@@ -188,12 +184,12 @@ def _rank(ctx, opts: CheckOptions) -> list:
                     p -= LR * p.grad
                 p.grad = None
         for name, p in local.named_parameters():
-            ref_name = _global_expert_key(name, r, EXPERTS_PER_RANK) if name.startswith("experts.") else name
+            ref_name = layout.global_name(name, "experts.", r)
             results.append(compare(f"{prefix}: {name} after SGD", p, single_params[ref_name], tol, asserted=asserted))
         # Next step from identical weights: each step judged on its own, not on accumulated rounding.
         with torch.no_grad():
             for name, p in local.named_parameters():
-                ref_name = _global_expert_key(name, r, EXPERTS_PER_RANK) if name.startswith("experts.") else name
+                ref_name = layout.global_name(name, "experts.", r)
                 p.copy_(single_params[ref_name])
     return results
 

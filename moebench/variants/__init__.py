@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol
 
 from moebench import config as config_tree
-from moebench.distributed.env import is_launched_rank, launched_world_size
+from moebench.rankenv import is_launched_rank, launched_world_size
 
 
 class Variant(Protocol):
@@ -47,7 +47,7 @@ class Variant(Protocol):
 
     def step_parts(self, config: Any) -> Any:
         """A context manager yielding the run's training step on one in-process rank, phase by
-        phase (moebench.train.StepParts), for `moebench bench --train`."""
+        phase (moebench.loop.StepParts), for `moebench bench --train`."""
 
     def headline(self, config: Any) -> str:
         """The one line printed before training starts."""

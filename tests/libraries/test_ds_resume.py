@@ -15,6 +15,7 @@ pytest.importorskip("deepspeed")
 
 from moebench.libraries import deepspeed as ds_adapter  # noqa: E402
 from moebench.libraries.deepspeed import resume as ds_resume  # noqa: E402
+from moebench.libraries.deepspeed import state as ds_state  # noqa: E402
 from moebench.libraries.matrix import verify_libraries  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -247,10 +248,10 @@ def test_adams_step_is_read_whatever_shape_a_release_restores_it_in():
 
     from moebench.parity import restore
 
-    assert ds_resume._step_of(torch.tensor(2.0)).tolist() == [2.0, 1.0]
-    assert ds_resume._step_of(2).tolist() == [2.0, 1.0] and ds_resume._step_of(None).tolist() == [0.0, 1.0]
-    merged = ds_resume._step_of(torch.tensor([2.0, 2.0]))
+    assert ds_state.step_of(torch.tensor(2.0)).tolist() == [2.0, 1.0]
+    assert ds_state.step_of(2).tolist() == [2.0, 1.0] and ds_state.step_of(None).tolist() == [0.0, 1.0]
+    merged = ds_state.step_of(torch.tensor([2.0, 2.0]))
     assert merged.tolist() == [2.0, 2.0]
     slot = restore.Slot(rank=0, local=0, unit=0)
-    assert restore.identify(slot, restore.STEP, merged, {0: ds_resume._step_of(torch.tensor(2.0))}).state != \
+    assert restore.identify(slot, restore.STEP, merged, {0: ds_state.step_of(torch.tensor(2.0))}).state != \
         restore.RIGHT

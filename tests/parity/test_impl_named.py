@@ -48,12 +48,12 @@ def test_a_run_on_moebench_code_says_so(tmp_path):
 def test_the_parity_verdict_names_user_code():
     """The "parity vs one process" row of a whole-suite run on user code says whose code passed."""
     from moebench.parity import registry
-    from moebench.report import build, collect
+    from moebench.report import collect, verdict_rows
 
     checks = [{"name": c.name, "status": "pass", "user_impls": {}} for c in registry.all_checks()]
     checks[0]["user_impls"] = {"experts": USER_IMPL}
     summary = {"status": "ok", "counts": {"pass": len(checks), "fail": 0, "skip": 0}, "checks": checks,
                "world_size": 4, "impls": {"experts": USER_IMPL}, "vacuous_total": 0}
     run = collect.Run(path=Path("results/parity/r1"), kind="parity", status="ok", summary=summary, config=None)
-    row = build.parity_row(run, "")
+    row = verdict_rows.parity_row(run, "")
     assert row["verdict"] == "reproduced" and row["reason"].endswith(f"on user code: {NAMED}")

@@ -1,4 +1,4 @@
-"""The report's GPU section (moebench/report/gpu.py), from a recorded gpu-check run only: "not run"
+"""The report's GPU section (moebench/report/sections/gpu.py), from a recorded gpu-check run only: "not run"
 said honestly without one, the steps, gates, runs and bench rows with one, "not judged" when the
 recorded file is damaged."""
 

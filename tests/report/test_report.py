@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from moebench import published
-from moebench.report import build, claims, collect
+from moebench.report import build, claims, collect, verdict_rows
 
 MOEBENCH = [sys.executable, "-m", "moebench"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -64,7 +64,7 @@ def _as_chapter(root: Path, kind: str) -> Path:
     """Make a run's config.json the chapter preset's (the report then judges its numbers)."""
     run = _run(root, kind)
     config = json.loads((run / "config.json").read_text())
-    chapter = build.chapter_config(kind)
+    chapter = verdict_rows.chapter_config(kind)
     for section in ("model", "moe", "train", "engine"):
         if section in chapter:
             config[section] = {**chapter[section], **{k: v for k, v in config.get(section, {}).items()

@@ -22,6 +22,9 @@ would be vacuous.
 The first step where anything differs is analysed on every rank (mechanisms.py) and the row's
 diagnosis names the mechanism, ZeRO stage, step and parameter group; what differs later is counted as
 its consequence (diagnose.FIRST_DIVERGENCE).
+
+Over 400 lines: an engine row is one story told step by step (settings, model, one-process reference, the
+comparisons of every phase); its mechanisms, half precision, names and user config are modules of their own.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moebench.libraries.deepspeed import half as half_precision
 from moebench.libraries.deepspeed.names import DIAGNOSIS_GROUP, global_name, group, label
 from moebench.libraries.deepspeed.user_config import BINDING_CLIP, clip_loss_multiplier
 from moebench.libraries.spec import Row, Settings
@@ -296,7 +300,7 @@ def run(ctx, row: Row, opts) -> list:
     with new_groups_time_out_after(group_timeout_s(opts.timeout_s)), \
             deepspeed_comm(ctx, compiled_ops=False, timeout_s=opts.timeout_s), quiet_deepspeed():
         if s.precision == "bf16":
-            _bf16_supported_or_skip(s)
+            half_precision.supported_or_skip(s)
         create_expert_groups(1)
         ref = TinyMoENet(_moe_config(s, experts, 1), experts, opts.seed, 0, d_model=D_MODEL)
         ref.moe.moe.set_deepspeed_parallelism()
@@ -321,7 +325,7 @@ def run(ctx, row: Row, opts) -> list:
             base_step = reference_step(master, s, w, opts.seed, step, compute=half) if half is not None else None
             asserted = base_step is None  # bf16: per element for information; judged by the noise model
             before = {n: p.detach().double().clone() for n, p in names.items()}
-            masters = _fp32_masters(names) if base_step is not None else None
+            masters = half_precision.fp32_masters(names) if base_step is not None else None
             step_out: list = []
             reduced: dict[str, torch.Tensor] = {}
             losses = []
@@ -361,11 +365,12 @@ def run(ctx, row: Row, opts) -> list:
                                         world_size=w, asserted=asserted, group=groups[n]))
                 wrong |= set() if step_out[-1].passed or not asserted else {("grad", gname[n])}
             if base_step is not None:
-                step_out.append(_noise_model(tag, reduced, gname, ref_step, base_step, s, w))
-                after = _fp32_masters(names)
+                step_out.append(half_precision.noise_judgement(tag, reduced, gname, ref_step, base_step, s, w))
+                after = half_precision.fp32_masters(names)
                 if masters and after:  # the update the optimizer applied, on its float32 master weights
                     applied = {n: after[n] - masters[n] for n in after}
-                    step_out.append(_noise_model(tag, applied, gname, ref_step, base_step, s, w, what=UPDATE))
+                    step_out.append(half_precision.noise_judgement(tag, applied, gname, ref_step, base_step, s, w,
+                                                                   what=half_precision.UPDATE))
             norm = None
             if s.clip > 0 and s.zero_stage > 0 and getattr(engine, "get_global_grad_norm", lambda: None)() is not None:
                 norm = (float(engine.get_global_grad_norm()), ref_step.norm)
@@ -411,49 +416,3 @@ def run(ctx, row: Row, opts) -> list:
     if finding is not None:
         out.insert(0, mech.first_divergence_comparison(finding, rank=r))
     return out
-
-
-GRADIENT = "reduced gradient"
-UPDATE = "applied update (fp32 masters)"
-"""What a bf16 row's noise model judges: the reduced gradient DeepSpeed reports (`safe_get_full_grad`) and the
-update its optimizer applied to the float32 master weights (`safe_get_full_fp32_param`, after - before)."""
-
-
-def _noise_model(tag: str, tensors: dict, gname: dict, ref_step: RefStep, base_step: RefStep, s: EngineSettings,
-                 world: int, what: str = GRADIENT):
-    """The bf16 judgement (moebench.parity.noise): whole-model relative L2 distance of the reduced gradient
-    (or the applied update) from float32, this engine's (every parameter once: replicated ones weighted 1/W,
-    experts ep/W, summed over ranks) against the one-process bf16 baseline's."""
-    from moebench.parity import noise
-
-    ref = ref_step.grad if what == GRADIENT else ref_step.update
-    base = base_step.grad if what == GRADIENT else base_step.update
-    run = sum((noise.sums([(t, ref[gname[n]])], (s.ep_size if group(gname[n]) == "experts" else 1) / world)
-               for n, t in tensors.items()), torch.zeros(3, dtype=torch.float64))
-    dist.all_reduce(run)
-    return noise.judge(tag, what, run, noise.sums((base[n], e) for n, e in ref.items()))
-
-
-def _fp32_masters(names: dict) -> dict[str, torch.Tensor] | None:
-    """Each parameter's float32 master weight (bf16 optimizers keep one); None where this release cannot say."""
-    try:
-        from deepspeed.utils import safe_get_full_fp32_param
-    except ImportError:
-        return None
-    out = {}
-    for n, p in names.items():
-        master = safe_get_full_fp32_param(p)
-        if master is None:
-            return None
-        out[n] = master.detach().double().clone()
-    return out
-
-
-def _bf16_supported_or_skip(s: EngineSettings) -> None:
-    """bf16 needs DeepSpeed's CPU accelerator to declare bf16 support."""
-    from deepspeed.accelerator import get_accelerator
-
-    from moebench.parity.registry import SkipCheck
-
-    if not get_accelerator().is_bf16_supported():
-        raise SkipCheck(f"DeepSpeed's {get_accelerator().device_name()} accelerator does not support bf16 here")

@@ -7,10 +7,10 @@ global expert by moebench.parity.layout (contiguous: ep rank e holds experts e*L
 
 from __future__ import annotations
 
+from moebench.models.deepspeed_moe import TINY_EXPERT_PREFIX as EXPERT_PREFIX
 from moebench.parity.diagnosis import EXPERTS, REPLICATED, ROUTER
 from moebench.parity.layout import ExpertLayout
 
-EXPERT_PREFIX = "moe.moe.deepspeed_moe.experts.deepspeed_experts."
 GATE_PREFIX = "moe.moe.deepspeed_moe.gate."
 
 

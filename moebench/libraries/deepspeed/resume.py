@@ -16,6 +16,9 @@ Every row, on every rank (gloo, CPU; torch's Adam handed to the engine, so no JI
 5. A against the one-process run C (ep_size 1, nothing partitioned, same seed) within ONE_PROCESS.
 A load DeepSpeed refuses is the row's verdict "refused", with DeepSpeed's first line and whether that
 line names the real cause.
+
+Over 400 lines: a resume row is one story (build, train, save, convert, load, control load, compare); what an
+engine holds is state.py, the script of a row is repro.py.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from typing import Any
 
 import torch
 
-from moebench.libraries.deepspeed.names import global_name, local_slot
+from moebench.libraries.deepspeed import state
+from moebench.libraries.deepspeed.names import global_name
 from moebench.libraries.resume import shared_dir
 from moebench.libraries.spec import RESUME, Row, Settings
 from moebench.parity.compare import EXACT, Comparison, Tolerance, assertion, compare
@@ -227,103 +231,6 @@ def _train(engine, seed: int, steps: range, rank: int, world: int) -> list[torch
     return losses
 
 
-# ------------------------------------------------------------------ reading the state
-def _zero_full(engine, p, key: str | None) -> torch.Tensor:
-    """ZeRO 1/2: parameter `p`'s fp32 master (key None) or its optimizer state `key`, read from the flat
-    fp32 partition the optimizer actually steps (what DeepSpeed's safe_get_full_* assemble, but from
-    the partitions themselves, so a stale link cannot hide a wrong load); all-reduced over p's group."""
-    import torch.distributed as dist
-
-    opt = engine.optimizer
-    buf = torch.zeros(p.numel(), dtype=torch.float32)
-    m = getattr(p, "_hp_mapping", None)
-    if m is not None:
-        flat = opt.single_partition_of_fp32_groups[m.param_group_index]
-        src = flat if key is None else opt.optimizer.state.get(flat, {}).get(key)
-        if src is not None:
-            lp, hp = m.lp_fragment_address, m.hp_fragment_address
-            buf.narrow(0, lp.start, lp.numel).copy_(src.detach().reshape(-1).narrow(0, hp.start, hp.numel))
-    dist.all_reduce(buf, group=p._dp_group)
-    return buf.view_as(p)
-
-
-def _step_of(value: Any) -> torch.Tensor:
-    """Adam's step as [its value, how many elements hold it]: a scalar on every correct path. An elastic load of
-    DeepSpeed 0.19.0 restores it as a tensor of several elements (merged from the ranks' states): that shows as
-    a wrong step here, not as a crash of the reader. Absent: [0, 1] (Adam's initial state)."""
-    if value is None:
-        return torch.tensor([0.0, 1.0], dtype=torch.float64)
-    flat = torch.as_tensor(value).detach().reshape(-1).double()
-    return torch.tensor([float(flat.max()) if flat.numel() else 0.0, float(flat.numel())], dtype=torch.float64)
-
-
-def _zero_step(engine, p) -> torch.Tensor:
-    """ZeRO 1/2: the Adam step of the partition(s) holding `p` (`_step_of`; max over its group)."""
-    import torch.distributed as dist
-
-    opt = engine.optimizer
-    value = None
-    m = getattr(p, "_hp_mapping", None)
-    if m is not None:
-        flat = opt.single_partition_of_fp32_groups[m.param_group_index]
-        value = opt.optimizer.state.get(flat, {}).get("step")
-    step = _step_of(value)
-    dist.all_reduce(step, op=dist.ReduceOp.MAX, group=p._dp_group)  # every rank the same shape: never a hang
-    return step
-
-
-def state_of(engine, stage: int) -> dict[str, dict[str, torch.Tensor]]:
-    """{parameter name: {quantity: tensor}}: the module weights, the fp32 master (ZeRO 1/2) and Adam's
-    exp_avg / exp_avg_sq / step (zeros where the optimizer holds none yet: Adam's initial state)."""
-    from moebench.parity import restore
-
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    opt = engine.optimizer
-    for name, p in engine.module.named_parameters():
-        s = {restore.WEIGHTS: p.detach().clone().float()}
-        if stage == 0:
-            st = opt.state.get(p, {}) if hasattr(opt, "state") else {}
-            s[restore.EXP_AVG] = st.get("exp_avg", torch.zeros_like(p)).detach().clone().float()
-            s[restore.EXP_AVG_SQ] = st.get("exp_avg_sq", torch.zeros_like(p)).detach().clone().float()
-            s[restore.STEP] = _step_of(st.get("step"))
-        else:
-            s[restore.FP32_MASTER] = _zero_full(engine, p, None)
-            s[restore.EXP_AVG] = _zero_full(engine, p, "exp_avg")
-            s[restore.EXP_AVG_SQ] = _zero_full(engine, p, "exp_avg_sq")
-            s[restore.STEP] = _zero_step(engine, p)
-        out[name] = s
-    return out
-
-
-def by_unit(state: dict[str, dict[str, torch.Tensor]], layout: ExpertLayout, ep_rank: int
-            ) -> dict[int | str, dict[str, torch.Tensor]]:
-    """Per unit (global expert index, or dense parameter name): each quantity as one flat tensor (an
-    expert's parameters concatenated in name order; steps: the largest)."""
-    grouped: dict[int | str, list[dict[str, torch.Tensor]]] = {}
-    for name in sorted(state):
-        j = local_slot(name)
-        unit: int | str = name if j is None else layout.global_expert(ep_rank, j)
-        grouped.setdefault(unit, []).append(state[name])
-    out: dict[int | str, dict[str, torch.Tensor]] = {}
-    for unit, parts in grouped.items():
-        out[unit] = {q: (torch.stack([p[q].max() for p in parts]).max().reshape(1) if q == "step"
-                         else torch.cat([p[q].reshape(-1) for p in parts])) for q in parts[0]}
-    return out
-
-
-def _gather_units(units: dict[int | str, dict[str, torch.Tensor]]) -> dict[int | str, dict[str, torch.Tensor]]:
-    """Every rank's units merged (replicas of an expert hold the same state in the reference)."""
-    import torch.distributed as dist
-
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, units)
-    merged: dict[int | str, dict[str, torch.Tensor]] = {}
-    for part in everyone:
-        for unit, state in part.items():
-            merged.setdefault(unit, state)
-    return merged
-
-
 # ------------------------------------------------------------------ the row
 def real_cause(spec: Spec) -> str:
     """What makes a load of this row impossible, as the user would need to hear it ("" when nothing does)."""
@@ -445,7 +352,7 @@ def _resume(ctx, spec: Spec, seed: int, folder: str) -> list[Comparison]:
     a = _build(ctx, spec, ep=spec.ep_size, stage=spec.zero_stage, seed=seed)
     a_rank, a_layout = _ep_rank(spec.ep_size), _layout(spec, w, spec.ep_size)
     _train(a, seed, range(k), r, w)
-    want = _gather_units(by_unit(state_of(a, spec.zero_stage), a_layout, a_rank))
+    want = state.gather_units(state.by_unit(state.state_of(a, spec.zero_stage), a_layout, a_rank))
     if spec.universal:  # the converter needs "universal_checkpoint_info"; with MoE layers the engine writes
         # the module's attribute (client_state may not carry the key); no tensor parallelism: empty
         setattr(a.module, UNIVERSAL_INFO, {})
@@ -464,7 +371,7 @@ def _resume(ctx, spec: Spec, seed: int, folder: str) -> list[Comparison]:
     b = _build(ctx, spec, ep=spec.load_ep_size, stage=spec.load_zero_stage, seed=seed + FRESH_SEED_OFFSET,
                universal=spec.universal)
     b_rank, b_layout = _ep_rank(spec.load_ep_size), _layout(spec, w, spec.load_ep_size)
-    fresh = by_unit(state_of(b, spec.load_zero_stage), b_layout, b_rank)
+    fresh = state.by_unit(state.state_of(b, spec.load_zero_stage), b_layout, b_rank)
     error = _load(b, spec, folder)
     if error:
         # a load in another layout refused: does the same checkpoint load at its save layout? (the control)
@@ -474,7 +381,7 @@ def _resume(ctx, spec: Spec, seed: int, folder: str) -> list[Comparison]:
                            universal=spec.universal)
             control = _load(saved, spec, folder) or ""
         raise Refused(refusal_sentence(spec, error, control))
-    got = by_unit(state_of(b, spec.load_zero_stage), b_layout, b_rank)
+    got = state.by_unit(state.state_of(b, spec.load_zero_stage), b_layout, b_rank)
     quantities = [restore.WEIGHTS] + ([restore.FP32_MASTER] if spec.load_zero_stage else [])
     if spec.load_optimizer_states:
         quantities += [restore.EXP_AVG, restore.EXP_AVG_SQ, restore.STEP]

@@ -84,7 +84,7 @@ class DeepSpeedVariant:
         ]
 
     def capability(self, lookup) -> tuple[str, str, str]:
-        from moebench.envcheck.check import FAIL, OK
+        from moebench.status import FAIL, OK
 
         imported = lookup("deepspeed.import")
         if imported is not None and imported.status == FAIL:

@@ -15,7 +15,7 @@ from moebench import config as config_tree
 from moebench.console import stdout_to_stderr
 from moebench.data import Batches, held_out_batch, seed_rank_randomness
 from moebench.distributed.launch import RankContext
-from moebench.train import LoopSpec, rank_writer, train_loop
+from moebench.loop import LoopSpec, rank_writer, train_loop
 from moebench.variants.deepspeed.comm import deepspeed_comm
 from moebench.variants.deepspeed.config import DeepSpeedRunConfig
 from moebench.variants.deepspeed.ds_config import build_ds_config
@@ -159,8 +159,8 @@ def _epoch_means(values: list[float], per_epoch: int) -> list[float]:
 @contextlib.contextmanager
 def step_parts(config: DeepSpeedRunConfig):
     """The run's step through DeepSpeed's engine on one in-process rank, phase by phase (see
-    moebench.train.StepParts)."""
-    from moebench.train import StepParts
+    moebench.loop.StepParts)."""
+    from moebench.loop import StepParts
 
     ctx = RankContext(rank=0, world_size=1, local_rank=0, backend="none", device="cpu")
     with engine_on(ctx, config) as ds:

@@ -61,7 +61,7 @@ class FastMoEVariant:
                 f"{routing['tokens_per_layer']:,} tokens x top-k)"]
 
     def capability(self, lookup) -> tuple[str, str, str]:
-        from moebench.envcheck.check import OK, WARN
+        from moebench.status import OK, WARN
 
         def status(check_id: str):
             found = lookup(check_id)

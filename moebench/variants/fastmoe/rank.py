@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from moebench import config as config_tree
 from moebench.data import Batches, held_out_batch, seed_rank_randomness
 from moebench.distributed.launch import RankContext
+from moebench.loop import LoopSpec, global_mean, rank_writer, train_loop
 from moebench.models.transformer import count_params
-from moebench.train import LoopSpec, global_mean, rank_writer, train_loop
 from moebench.variants.fastmoe.config import FastMoERunConfig
 from moebench.variants.fastmoe.model import build_rank_model
 
@@ -123,8 +123,8 @@ def routing_summary(kept: list[torch.Tensor], *, tokens: int, top_k: int) -> dic
 
 @contextlib.contextmanager
 def step_parts(config: FastMoERunConfig):
-    """The run's step on one in-process rank, phase by phase (see moebench.train.StepParts)."""
-    from moebench.train import StepParts
+    """The run's step on one in-process rank, phase by phase (see moebench.loop.StepParts)."""
+    from moebench.loop import StepParts
 
     device = "cuda" if config.launch.device == "cuda" else "cpu"
     model = build_rank_model(config, 0, 1, device)
