@@ -229,7 +229,7 @@ EXAMPLES = """Examples:
       --impl experts=soft_moe_pytorch.soft_moe:Experts
   moebench verify-parity --library fairscale,transformers
   moebench verify-parity --library deepspeed --resume -n 4
-  moebench verify-parity --library deepspeed -n 2 --row 'deepspeed/engine/zero0/*/clip'
+  moebench verify-parity --library deepspeed -n 2 --row '*/zero0/ep=2/w2/clip'
   moebench verify-parity --adapter my_pkg.moe_adapter:ADAPTER -n 2
   moebench verify-parity --list"""
 

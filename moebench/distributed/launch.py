@@ -293,7 +293,7 @@ def _child_main(fn, args, rank, world_size, backend, pg_timeout_s, workdir, env)
     # A process group of its own: a deadline, failure or interrupt kills the rank with everything
     # it started (grandchildren included), not the rank alone.
     os.setpgid(0, 0)
-    _die_with_parent()
+    die_with_parent()
     # Only the parent handles Ctrl-C; it kills the ranks. Ranks printing KeyboardInterrupt
     # tracebacks of their own would bury the one line that matters.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -429,7 +429,7 @@ def _read_payload(workdir: Path, rank: int) -> dict | None:
     return pickle.loads(path.read_bytes())
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Ask the kernel to SIGKILL this process when its parent dies (Linux only)."""
     if sys.platform.startswith("linux"):
         try:

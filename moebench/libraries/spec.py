@@ -190,7 +190,7 @@ def problems(adapter: Any, world_size: int = 2) -> list[str]:
         out.append(f"name {adapter.name!r} must match {NAME_PATTERN}")
     if not isinstance(adapter.import_name, str) or not adapter.import_name:
         out.append("import_name must name the module that means the library is installed")
-    if not isinstance(adapter.runners, Mapping) or not adapter.runners:
+    if not isinstance(adapter.runners, Mapping):
         out.append("runners must map each row kind to the function its ranks run")
         return out
     for kind, fn in adapter.runners.items():
@@ -200,7 +200,7 @@ def problems(adapter: Any, world_size: int = 2) -> list[str]:
         out.append("preload must be a tuple of module names")
     if adapter.timeout_s is not None and not (isinstance(adapter.timeout_s, (int, float)) and adapter.timeout_s > 0):
         out.append(f"timeout_s must be a positive number of seconds or None, got {adapter.timeout_s!r}")
-    for w in (1, world_size):
+    for w in (world_size, 1):
         try:
             rows = adapter.rows(w)
         except Exception as exc:  # noqa: BLE001 - the user's code: its error is the finding

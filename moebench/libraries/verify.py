@@ -84,12 +84,74 @@ def prepare(request: LibraryRequest, results_dir: str | None = None) -> Prepared
         check_repro_dir(request.repro, results_dir)
     adapters = registry.require(list(libraries)) if libraries else []
     if request.adapter is not None:
-        adapters.append(registry.load_user(request.adapter, world_size=max(sizes)))
+        user = registry.load_user(request.adapter, world_size=max(sizes))
+        problem = first_row_problem(user, max(sizes))
+        if problem:
+            raise UserError(f"{request.adapter}: {problem} (docs/adding-a-library.md)", flag="--adapter")
+        adapters.append(user)
     prepared = Prepared(adapters=tuple(adapters), world_sizes=sizes, user_configs=user_configs,
                         summary_extra=summary_extra, request=request)
     row_checks(list(prepared.adapters), sizes, resume=request.resume, user_configs=user_configs,
                patterns=request.rows)  # no row, or a --row matching none: refused now, before any folder
     return prepared
+
+
+FIRST_ROW_TIMEOUT_S = 120.0
+"""How long a user adapter's first row may take when it is tried before the run (its ranks' deadline too)."""
+
+
+def first_row_problem(adapter: Adapter, world_size: int, timeout_s: float = FIRST_ROW_TIMEOUT_S) -> str:
+    """A user's adapter (--adapter) runs its first row once, in a child process, before the run folder exists: one
+    line when its rank code raised there (what, where), "" when the row ran (passing or failing). A broken adapter
+    is then bad input (exit 2), not a row of findings."""
+    import multiprocessing as mp
+
+    rows = [r for r in adapter.rows(world_size) if adapter.skip_reason(r) is None]
+    if not rows:
+        return ""
+    ctx = mp.get_context("fork")
+    reader, writer = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_try_row, args=(adapter, rows[0], timeout_s, writer))  # it starts ranks: no daemon
+    child.start()
+    writer.close()
+    child.join(timeout_s + 30)
+    if child.is_alive():
+        child.kill()
+        child.join(5)
+        return f"its first row {rows[0].key()} did not finish within {timeout_s:g} s"
+    try:
+        return reader.recv() if reader.poll() else f"its first row ended the process (exit code {child.exitcode})"
+    except EOFError:
+        return f"its first row ended the process (exit code {child.exitcode})"
+
+
+def _try_row(adapter: Adapter, row, timeout_s: float, writer) -> None:
+    import os
+    import re
+
+    from moebench.distributed.launch import die_with_parent
+    from moebench.libraries.matrix import registered
+    from moebench.parity.runner import ParityConfig, run_checks
+
+    die_with_parent()  # a killed command leaves no trial row behind
+    os.dup2(2, 1)  # the user's code may print: stdout is --json's
+    try:
+        checks = row_checks([adapter], (row.world_size,), patterns=(row.key(),))
+        with registered(checks):
+            record = run_checks(ParityConfig(world_size=row.world_size, checks=(row.key(),),
+                                             timeout_s=timeout_s))["checks"][0]
+        raised = record["launch_status"] == "failed" and "raised:" in record["reason"]
+        if not raised:
+            writer.send("")
+            return
+        lines = [line.strip() for line in record["reason"].splitlines() if line.strip()]
+        where = [m.groups() for m in (re.match(r'File "([^"]+)", line (\d+)', line) for line in lines) if m]
+        last = next((line for line in reversed(lines) if re.match(r"^[A-Za-z_.]*(Error|Exception|Interrupt)\b", line)),
+                    lines[-1])
+        at = f" at {os.path.basename(where[-1][0])}:{where[-1][1]}" if where else ""
+        writer.send(f"its rank code raised on row {row.key()}: {last[:200]}{at}")
+    except BaseException as exc:  # noqa: BLE001 - whatever the user's adapter does is the user's input
+        writer.send(f"its first row could not run: {type(exc).__name__}: {exc}"[:300])
 
 
 def check_repro_dir(path: str, results_dir: str | None = None) -> None:

@@ -58,6 +58,8 @@ class Fairscale(Adapter):
     runners = {PARITY: "moebench.libraries.fairscale.parity:run", RESUME: "moebench.libraries.fairscale.resume:run"}
 
     def rows(self, world_size: int, *, resume: bool = False, user_config=None) -> list[Row]:
+        if world_size < 2:  # one rank exchanges with nobody: nothing expert-parallel to verify
+            return []
         rows = [Row(library=self.name, model="top2gate", backend="-", ep_mode=ep_mode(n), world_size=world_size,
                     features=("loss-curve",), settings=LayerSettings(experts_per_rank=n)) for n in EXPERTS_PER_RANK]
         if resume:  # a state_dict round trip (resume.py)
