@@ -8,6 +8,14 @@ import psutil
 import pytest
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_probe_cache(tmp_path_factory):
+    """Import-probe answers (moebench.probecache) shared by this session's tests and the commands they start,
+    never the user's own cache: each session probes its libraries once."""
+    os.environ["MOEBENCH_CACHE"] = str(tmp_path_factory.mktemp("probe-cache"))
+    yield
+
+
 @pytest.fixture(autouse=True)
 def _private_results(tmp_path, monkeypatch):
     monkeypatch.setenv("MOEBENCH_RESULTS", str(tmp_path / "results"))

@@ -46,13 +46,21 @@ BOUNDS = {
 
 def _list(as_json: bool) -> None:
     import dataclasses
+    from concurrent.futures import ThreadPoolExecutor
 
     from moebench.libraries import registry as libraries
     from moebench.libraries.records import library_list
     from moebench.parity.registry import IMPORT_ERRORS, all_checks
 
-    checks = all_checks()
-    statuses = libraries.statuses()
+    # Each library's probe (DeepSpeed's: an import in a child process, ~2.5 s) runs in a thread while this one
+    # imports the check modules; the adapters themselves are imported here first, never in two threads at once.
+    names = list(libraries.known())
+    for name in names:
+        libraries.load(name)
+    with ThreadPoolExecutor(max_workers=len(names)) as pool:
+        pending = pool.map(libraries.status, names)
+        checks = all_checks()
+        statuses = list(pending)
     if as_json:
         typer.echo(json.dumps({"checks": [
             {"name": c.name, "seed": c.seed_source, "description": c.description,
@@ -263,6 +271,10 @@ def verify_parity(
         "(repeatable; contracts: docs/verify-parity.md).",
     ),
     as_json: bool = flags.shared_option("as_json"),
+    json_full: bool = typer.Option(
+        False, "--json-full", help="With --json: print every comparison of every check (--json alone prints each "
+        "check's failed comparisons; summary.json always holds them all).",
+    ),
     debug_collectives: bool = typer.Option(
         False, "--debug-collectives", help="TORCH_DISTRIBUTED_DEBUG=DETAIL in every rank."
     ),
@@ -300,6 +312,8 @@ def verify_parity(
     ),
 ) -> None:
     """Run the parity checks: exit 0 when all ran passed, 1 when any failed or none ran, 2 on bad input."""
+    if json_full and not as_json:
+        raise UserError("prints every comparison of --json's document; add --json", flag="--json-full")
     if list_checks:
         _list(as_json)
         return
@@ -330,30 +344,30 @@ def verify_parity(
         require_launched_world(world_size)  # torchrun's WORLD_SIZE decides: a flag saying otherwise is refused
     if not rows_asked:
         require_ranks_fit(4 if world_size is None else world_size)
-    config = parity_config(world_size=4 if world_size is None else world_size, checks=checks, timeout_s=timeout,
-                           comm_backend=backend_old or comm_backend, tolerance=tolerance, impls=impl,
-                           debug_collectives=debug_collectives, seed=seed)
-    execute = run
-    if rows_asked:  # the library rows instead of the checks, through the same runner
-        from moebench.libraries import verify
-
-        request = verify.LibraryRequest(
-            libraries=verify.names_of(library) if library is not None else (), adapter=adapter,
-            world_size=world_size, ds_config=ds_config, resume=resume, repro=repro, rows=tuple(row))
-        prepared = verify.prepare(request, results_dir)
-        execute = functools.partial(verify.run, prepared)
-        if prepared.summary_extra.get("ds_config") and _is_printer() and not as_json:
-            _print_notes(ds_config, prepared.summary_extra["ds_config"])
 
     def progress(record) -> None:
         if _is_printer() and not as_json:
             typer.echo(f"  {record.name}: {record.status} ({record.elapsed_s:.1f} s)", err=True)
 
-    # --json: stdout carries the one document; whatever else writes there (DeepSpeed's warnings
-    # at import in this process, C++ prints) goes to stderr for the whole run.
+    # --json: stdout carries the one document; whatever else writes there (DeepSpeed's warnings at import in this
+    # process, C++ prints, a user's --adapter or --impl module printing at import) goes to stderr for the whole run.
     quiet_stdout = stdout_to_stderr() if as_json else contextlib.nullcontext()
     try:
         with quiet_stdout:
+            config = parity_config(world_size=4 if world_size is None else world_size, checks=checks,
+                                   timeout_s=timeout, comm_backend=backend_old or comm_backend, tolerance=tolerance,
+                                   impls=impl, debug_collectives=debug_collectives, seed=seed)
+            execute = run
+            if rows_asked:  # the library rows instead of the checks, through the same runner
+                from moebench.libraries import verify
+
+                request = verify.LibraryRequest(
+                    libraries=verify.names_of(library) if library is not None else (), adapter=adapter,
+                    world_size=world_size, ds_config=ds_config, resume=resume, repro=repro, rows=tuple(row))
+                prepared = verify.prepare(request, results_dir)
+                execute = functools.partial(verify.run, prepared)
+                if prepared.summary_extra.get("ds_config") and _is_printer() and not as_json:
+                    _print_notes(ds_config, prepared.summary_extra["ds_config"])
             summary = execute(config, results_dir=results_dir, on_record=progress)
     except KeyboardInterrupt as exc:
         if _is_printer():
@@ -363,7 +377,9 @@ def verify_parity(
         raise typer.Exit(130) from None
     if _is_printer():
         if as_json:
-            typer.echo(json.dumps(_jsonable(summary), indent=2))
+            from moebench.parity.runner import failed_only
+
+            typer.echo(json.dumps(_jsonable(summary if json_full else failed_only(summary)), indent=2))
         elif rows_asked:
             _print_library_table(summary)
             from moebench.libraries.repro import lines as repro_lines

@@ -75,7 +75,21 @@ def source_version(package_dir: Path) -> str | None:
 @functools.lru_cache(maxsize=8)
 def _import_problem(origin: str) -> str | None:
     """One line why `import deepspeed` (found at `origin`) fails here; None when it imports. Runs in
-    a child: a failing import must not leave half a DeepSpeed in this process."""
+    a child: a failing import must not leave half a DeepSpeed in this process; remembered per installation
+    (moebench.probecache: the child takes ~2.5 s, the rest of `--list` less)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from moebench import probecache
+
+    try:
+        torch_version = version("torch")
+    except PackageNotFoundError:
+        torch_version = "?"
+    key = probecache.fingerprint(origin, _IMPORT_PROBE, torch_version, os.environ.get("DS_ACCELERATOR", ""))
+    return probecache.answer(key, lambda: _probe_import(origin))
+
+
+def _probe_import(origin: str) -> str | None:
     try:
         done = subprocess.run([sys.executable, "-c", _IMPORT_PROBE], capture_output=True, text=True,
                               timeout=IMPORT_PROBE_TIMEOUT_S, env={**os.environ, "PYTHONWARNINGS": "ignore"})
