@@ -8,7 +8,7 @@ from typing import List, Optional
 import typer
 
 from moebench.bounds import Items, Name, Path, Text
-from moebench.cli import flags
+from moebench.cli import flags, parity_console
 from moebench.errors import UserError
 from moebench.rankenv import is_printer as _is_printer
 
@@ -44,170 +44,8 @@ BOUNDS = {
 """verify-parity's own valued options (the shared ones carry their config field's bound)."""
 
 
-def _list(as_json: bool) -> None:
-    import dataclasses
-    from concurrent.futures import ThreadPoolExecutor
-
-    from moebench.libraries import registry as libraries
-    from moebench.libraries.records import library_list
-    from moebench.parity.registry import IMPORT_ERRORS, all_checks
-
-    # Each library's probe (DeepSpeed's: an import in a child process, ~2.5 s) runs in a thread while this one
-    # imports the check modules; the adapters themselves are imported here first, never in two threads at once.
-    names = list(libraries.known())
-    for name in names:
-        libraries.load(name)
-    with ThreadPoolExecutor(max_workers=len(names)) as pool:
-        pending = pool.map(libraries.status, names)
-        checks = all_checks()
-        statuses = list(pending)
-    if as_json:
-        typer.echo(json.dumps({"checks": [
-            {"name": c.name, "seed": c.seed_source, "description": c.description,
-             "min_world_size": c.min_world_size, "max_world_size": c.max_world_size,
-             "requires": list(c.requires), "impl_keys": list(c.impl_keys)} for c in checks],
-            "import_errors": {m: e.strip().splitlines()[-1] for m, e in IMPORT_ERRORS.items()},
-            "libraries": [{**dataclasses.asdict(s), "can_run": s.why_not is None} for s in statuses]}, indent=2))
-        return
-    from rich import box
-    from rich.markup import escape
-    from rich.table import Table
-
-    table = Table(box=box.SIMPLE_HEAD, title="verify-parity checks")
-    table.add_column("name", no_wrap=True)
-    for col in ("seed", "ranks", "--impl", "asserts"):
-        table.add_column(col)
-    # narrower terminals: what each check asserts, with its seed, ranks and --impl keys beneath
-    stacked = Table(box=box.SIMPLE_HEAD, title="verify-parity checks", pad_edge=False)
-    stacked.add_column("name", no_wrap=True)
-    stacked.add_column("asserts (seed; ranks; --impl keys)", overflow="fold")
-    for c in checks:
-        sizes = f">= {c.min_world_size}" + (f", <= {c.max_world_size}" if c.max_world_size else "")
-        table.add_row(c.name, escape(c.seed_source), sizes, ",".join(c.impl_keys), escape(c.description))
-        keys = f"; --impl {','.join(c.impl_keys)}" if c.impl_keys else ""
-        stacked.add_row(c.name, f"{escape(c.description)}\n[dim]seed: {escape(c.seed_source)}; ranks {sizes}{keys}[/]",
-                        end_section=True)
-    console = _console()
-    from moebench.console import print_fitting
-
-    print_fitting(console, table, stacked)
-    for module, error in IMPORT_ERRORS.items():
-        console.print(f"[yellow]check module {module} did not import: {error.strip().splitlines()[-1]}[/]")
-    typer.echo("\nlibraries (verify-parity --library NAME):")
-    typer.echo(library_list(statuses))
-
-
-def _console():
-    from moebench.console import terminal_console
-
-    return terminal_console()
-
-
-def _fmt(x: Optional[float]) -> str:
-    return "-" if x is None else f"{x:.1e}"
-
-
-def _vacuous(c: dict, narrow: bool = False) -> str:
-    vac = f"[yellow]{c['vacuous']} VACUOUS[/]" if c["vacuous"] else "0"
-    if not c.get("unasserted"):
-        return vac
-    return vac + (f"\n{c['unasserted']} unasserted" if narrow else f" ({c['unasserted']} unasserted)")
-
-
-def _tables(summary: dict, width: int) -> list:
-    """Layouts of the checks' table, widest first: one line per check; the same without the vacuous
-    column when no comparison is vacuous (the closing line says "0 vacuous"); two lines per check (max
-    abs over max rel, rtol over atol); a block per check. Numbers are never wrapped or cut."""
-    title = (f"verify-parity: {summary['world_size']} rank(s), {summary['comm_backend']}, "
-             f"tolerance {summary['tolerance']}")
-    colour = {"pass": "green", "fail": "red", "skip": "yellow", "refused": "yellow"}
-    nothing_vacuous = not any(c["vacuous"] or c.get("unasserted") for c in summary["checks"])
-    layouts = [_table(summary, title, colour, stacked=False, vacuous=True)]
-    if nothing_vacuous:
-        layouts.append(_table(summary, title, colour, stacked=False, vacuous=False))
-    return layouts + [_table(summary, title, colour, stacked=True, vacuous=True),
-                      _blocks(summary, title, colour, width)]
-
-
-def _table(summary: dict, title: str, colour: dict, *, stacked: bool, vacuous: bool):
-    from rich import box
-    from rich.table import Table
-
-    table = Table(box=box.SIMPLE_HEAD, title=title, pad_edge=False, collapse_padding=True, show_edge=False)
-    table.add_column("check", no_wrap=not stacked, overflow="fold")
-    columns = ["result", "max abs\nmax rel" if stacked else "max abs", *([] if stacked else ["max rel"]),
-               "rtol\natol" if stacked else "rtol/atol", "magnitude", *(["vacuous"] if vacuous else []), "time"]
-    for col in columns:
-        wraps = col == "vacuous" and stacked  # "3 VACUOUS", "2 unasserted" on two lines
-        table.add_column(col, no_wrap=not wraps, max_width=12 if wraps else None,
-                         justify="left" if col in ("result", "vacuous") else "right")
-    for c in summary["checks"]:
-        status = f"[{colour[c['status']]}]{c['status']}[/]"
-        tolerance = c["tolerance"] or "-"
-        if stacked:
-            diffs = [f"{_fmt(c['max_abs_diff'])}\n{_fmt(c['max_rel_diff'])}", "\n".join(tolerance.split("/"))]
-        else:
-            diffs = [_fmt(c["max_abs_diff"]), _fmt(c["max_rel_diff"]), tolerance]
-        table.add_row(c["name"], status, *diffs, _fmt(c["magnitude"]), *([_vacuous(c, stacked)] if vacuous else []),
-                      f"{c['elapsed_s']:.1f}s")
-    return table
-
-
-def _blocks(summary: dict, title: str, colour: dict, width: int):
-    """Narrowest: a block per check, `name  status  time` then its figures as `label value` pairs that
-    wrap between pairs, never inside one."""
-    from rich.console import Group
-    from rich.text import Text
-
-    out = [Text(title, style="bold")]
-    for c in summary["checks"]:
-        head = Text(c["name"], style="bold")
-        head.append(f"  {c['status']}", style=colour[c["status"]])
-        head.append(f"  {c['elapsed_s']:.1f}s")
-        rtol, _, atol = (c["tolerance"] or "-/-").partition("/")
-        pairs = [f"max abs {_fmt(c['max_abs_diff'])}", f"max rel {_fmt(c['max_rel_diff'])}", f"rtol {rtol}",
-                 f"atol {atol or rtol}", f"magnitude {_fmt(c['magnitude'])}",
-                 f"{c['vacuous']} VACUOUS" if c["vacuous"] else "vacuous 0"]
-        if c.get("unasserted"):
-            pairs.append(f"{c['unasserted']} unasserted")
-        out.append(head)
-        line = ""
-        for pair in pairs:
-            if line and len(line) + 3 + len(pair) > width:
-                out.append(Text(line))
-                line = ""
-            line = f"{line}   {pair}" if line else f"  {pair}"
-        out.append(Text(line))
-    return Group(*out)
-
-
-def _print_table(summary: dict) -> None:
-    from moebench.console import print_fitting
-
-    console = _console()
-    print_fitting(console, *_tables(summary, console.width))
-    for c in summary["checks"]:
-        if c["reason"] and (c["status"] != "pass" or c.get("unasserted_outside")):
-            console.print(f"[bold]{c['name']}[/] ({c['status']}):", highlight=False)
-            if c.get("diagnosis"):
-                console.print(f"diagnosis: {c['diagnosis']['name']}: {c['diagnosis']['sentence']}",
-                              markup=False, highlight=False)
-            console.print(c["reason"], markup=False, highlight=False)
-    counts = summary["counts"]
-    console.print(f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped; "
-                  f"{summary['vacuous_total']} vacuous comparison(s); {summary['wall_time_s']:.1f} s; "
-                  + ("not saved" if summary.get("unsaved") else f"saved to {summary['run_path']}"), highlight=False)
-    if summary["vacuous_total"]:
-        console.print("[yellow]vacuous: the tolerance is not below the magnitude compared (or the comparison "
-                      "is not asserted at all), so an all-zero result would pass.[/]")
-
-
-def _print_library_table(summary: dict) -> None:
-    from moebench.libraries.records import conformance
-
-    typer.echo(f"verify-parity --library: {len(summary['rows'])} row(s), {summary['comm_backend']}, "
-               f"tolerance {summary['tolerance']}")
-    typer.echo(conformance(summary["rows"]))
+def _print_library_end(summary: dict) -> None:
+    """The close of a library run's console (its table was printed row by row, as each ended)."""
     counts = summary["counts"]
     refused = f", {counts['refused']} refused" if counts.get("refused") else ""
     typer.echo(f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped{refused}; "
@@ -315,7 +153,7 @@ def verify_parity(
     if json_full and not as_json:
         raise UserError("prints every comparison of --json's document; add --json", flag="--json-full")
     if list_checks:
-        _list(as_json)
+        parity_console.print_list(as_json)
         return
     rows_asked = library is not None or adapter is not None or ds_config is not None
     if rows_asked and checks is not None:
@@ -329,10 +167,13 @@ def verify_parity(
         if given and not rows_asked:
             raise UserError(why, flag=flag)
     import contextlib
+    import dataclasses
     import functools
 
     from moebench.config import require_launched_world
     from moebench.console import stdout_to_stderr
+    from moebench.libraries import verify
+    from moebench.libraries.records import Table, row_record
     from moebench.parity.runner import parity_config
     from moebench.parity.runner import verify_parity as run
     from moebench.rankenv import is_launched_rank
@@ -345,9 +186,17 @@ def verify_parity(
     if not rows_asked:
         require_ranks_fit(4 if world_size is None else world_size)
 
+    table = None
+
     def progress(record) -> None:
-        if _is_printer() and not as_json:
+        if not _is_printer() or as_json:
+            return
+        if table is None:
             typer.echo(f"  {record.name}: {record.status} ({record.elapsed_s:.1f} s)", err=True)
+            return
+        row = row_record(dataclasses.asdict(record))  # a library row: its table line(s), once, as it ends
+        for line in table.row({**row, **verify.annotation(prepared, config)(row)}):
+            typer.echo(line)
 
     # --json: stdout carries the one document; whatever else writes there (DeepSpeed's warnings at import in this
     # process, C++ prints, a user's --adapter or --impl module printing at import) goes to stderr for the whole run.
@@ -359,15 +208,18 @@ def verify_parity(
                                    impls=impl, debug_collectives=debug_collectives, seed=seed)
             execute = run
             if rows_asked:  # the library rows instead of the checks, through the same runner
-                from moebench.libraries import verify
-
                 request = verify.LibraryRequest(
                     libraries=verify.names_of(library) if library is not None else (), adapter=adapter,
                     world_size=world_size, ds_config=ds_config, resume=resume, repro=repro, rows=tuple(row))
                 prepared = verify.prepare(request, results_dir)
                 execute = functools.partial(verify.run, prepared)
-                if prepared.summary_extra.get("ds_config") and _is_printer() and not as_json:
-                    _print_notes(ds_config, prepared.summary_extra["ds_config"])
+                if _is_printer() and not as_json:
+                    if prepared.summary_extra.get("ds_config"):
+                        _print_notes(ds_config, prepared.summary_extra["ds_config"])
+                    table = Table(list(prepared.previews))
+                    typer.echo(f"verify-parity --library: {len(prepared.previews)} row(s), tolerance {tolerance}")
+                    for line in table.head():
+                        typer.echo(line)
             summary = execute(config, results_dir=results_dir, on_record=progress)
     except KeyboardInterrupt as exc:
         if _is_printer():
@@ -377,18 +229,18 @@ def verify_parity(
         raise typer.Exit(130) from None
     if _is_printer():
         if as_json:
-            from moebench.parity.runner import failed_only
+            from moebench.parity.printed import failed_only
 
             typer.echo(json.dumps(_jsonable(summary if json_full else failed_only(summary)), indent=2))
         elif rows_asked:
-            _print_library_table(summary)
+            _print_library_end(summary)
             from moebench.libraries.repro import lines as repro_lines
 
             for line in repro_lines(summary):
                 typer.echo(line)
         else:
-            _print_table(summary)
-            from moebench.parity.runner import tested_lines
+            parity_console.print_table(summary)
+            from moebench.parity.printed import tested_lines
 
             for line in tested_lines(summary):
                 typer.echo(line)

@@ -133,10 +133,11 @@ def verify_libraries(adapters: list[Adapter], world_sizes: tuple[int, ...], *, c
                      results_dir: str | None = None, on_record: Callable | None = None,
                      user_configs: Mapping[str, Mapping[str, Any]] | None = None,
                      summary_extra: dict[str, Any] | None = None, repro_dir: str | None = None,
-                     resume: bool = False, patterns: tuple[str, ...] = ()) -> dict[str, Any]:
+                     resume: bool = False, patterns: tuple[str, ...] = (),
+                     annotate: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> dict[str, Any]:
     """Run the adapters' rows at `world_sizes` (`resume`: with their resume rows; `patterns`: only the rows
-    matching) through verify_parity; the summary has "rows" (and the keys of `summary_extra`, e.g.
-    "ds_config"). With `repro_dir`, a reproduction script per failing row that has one (libraries/repro)."""
+    matching) through verify_parity; the summary has "rows" (each with what `annotate` adds) and the keys of
+    `summary_extra` (e.g. "ds_config"). With `repro_dir`, a reproduction script per failing row that has one."""
     from moebench.distributed.launch import under_torchrun
     from moebench.parity.runner import ParityConfig, verify_parity
 
@@ -149,7 +150,7 @@ def verify_libraries(adapters: list[Adapter], world_sizes: tuple[int, ...], *, c
         by_name = {c.name: c for c in checks}
 
         def decorate(summary: dict[str, Any]) -> dict[str, Any]:
-            summary = {**with_rows(summary), **(summary_extra or {})}
+            summary = {**with_rows(summary, annotate), **(summary_extra or {})}
             if repro_dir is None:
                 return summary
             from moebench.libraries.repro import write_scripts

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -42,6 +43,8 @@ class Prepared:
 
     adapters: tuple[Adapter, ...]
     world_sizes: tuple[int, ...]
+    previews: tuple[dict[str, Any], ...]
+    """Each row's labels, before it runs (the console's table is laid out from them)."""
     user_configs: dict[str, Any]
     summary_extra: dict[str, Any]
     request: LibraryRequest
@@ -89,11 +92,11 @@ def prepare(request: LibraryRequest, results_dir: str | None = None) -> Prepared
         if problem:
             raise UserError(f"{request.adapter}: {problem} (docs/adding-a-library.md)", flag="--adapter")
         adapters.append(user)
-    prepared = Prepared(adapters=tuple(adapters), world_sizes=sizes, user_configs=user_configs,
-                        summary_extra=summary_extra, request=request)
-    row_checks(list(prepared.adapters), sizes, resume=request.resume, user_configs=user_configs,
-               patterns=request.rows)  # no row, or a --row matching none: refused now, before any folder
-    return prepared
+    checks = row_checks(adapters, sizes, resume=request.resume, user_configs=user_configs,
+                        patterns=request.rows)  # no row, or a --row matching none: refused now, before any folder
+    previews = tuple({**dict(c.check.labels), "check": c.name} for c in checks)
+    return Prepared(adapters=tuple(adapters), world_sizes=sizes, previews=previews, user_configs=user_configs,
+                    summary_extra=summary_extra, request=request)
 
 
 FIRST_ROW_TIMEOUT_S = 120.0
@@ -174,6 +177,30 @@ def check_repro_dir(path: str, results_dir: str | None = None) -> None:
         raise UserError(f"{path} cannot be created: {parent} is not writable", flag="--repro")
 
 
+def rerun_command(prepared: Prepared, record: dict[str, Any], config) -> str:
+    """The command that runs this one row again, as it ran: the library (or --adapter), its world size, --resume,
+    --ds-config, the seed and tolerance when not the defaults, and --row with the row's key."""
+    request = prepared.request
+    adapter = next((a for a in prepared.adapters if a.name == record["library"]), None)
+    user = request.adapter is not None and adapter is not None and adapter.name not in request.libraries
+    words = ["moebench verify-parity", f"--adapter {request.adapter}" if user else f"--library {record['library']}",
+             f"-n {record['world_size']}"]
+    if "resume" in record.get("features", ()):
+        words.append("--resume")
+    if request.ds_config is not None and record["library"] == "deepspeed":
+        words.append(f"--ds-config {shlex.quote(os.path.abspath(request.ds_config))}")
+    if config.seed:
+        words.append(f"--seed {config.seed}")
+    if config.tolerance != "strict":
+        words.append(f"--tolerance {config.tolerance}")
+    return " ".join([*words, f"--row {shlex.quote(record['check'])}"])
+
+
+def annotation(prepared: Prepared, config) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """What a row record gains: `rerun`, for a row that failed or was refused."""
+    return lambda r: {"rerun": rerun_command(prepared, r, config)} if r["verdict"] in ("fail", "refused") else {}
+
+
 def run(prepared: Prepared, config, *, results_dir: str | None = None,
         on_record: Callable | None = None) -> dict[str, Any]:
     """The rows of a prepared request through the parity runner (config: the run's ParityConfig)."""
@@ -181,4 +208,4 @@ def run(prepared: Prepared, config, *, results_dir: str | None = None,
     return verify_libraries(list(prepared.adapters), prepared.world_sizes, config_fields=config_fields(config),
                             results_dir=results_dir, on_record=on_record, user_configs=prepared.user_configs,
                             summary_extra=prepared.summary_extra, repro_dir=request.repro, resume=request.resume,
-                            patterns=request.rows)
+                            patterns=request.rows, annotate=annotation(prepared, config))

@@ -203,7 +203,7 @@ def test_verify_parity_piped_honours_columns(root):
 
 def test_verify_parity_table_stacks_what_does_not_fit(monkeypatch, capsys):
     """A vacuous check and every kind of number, laid out at 80 columns and at 60: nothing cut."""
-    from moebench.cli import parity
+    from moebench.cli import parity_console
 
     check = {"name": "replicate-bad-device-id", "status": "fail", "max_abs_diff": 1.234e-7, "max_rel_diff": 5.5e-3,
              "tolerance": "1e-05/4e-06", "magnitude": 12.5, "vacuous": 3, "unasserted": 2, "elapsed_s": 123.4,
@@ -213,7 +213,7 @@ def test_verify_parity_table_stacks_what_does_not_fit(monkeypatch, capsys):
                "run_path": "results/parity/x"}
     for columns in (COLS, 60):
         monkeypatch.setenv("COLUMNS", str(columns))
-        parity._print_table(summary)
+        parity_console.print_table(summary)
         out = capsys.readouterr().out
         assert_fits(out, columns)
         for number in ("1.2e-07", "5.5e-03", "1e-05", "4e-06", "1.2e+01", "123.4s", "3 VACUOUS", "2 unasserted"):
@@ -363,7 +363,7 @@ def test_runs_unknown_kind_is_bad_input(root):
 
 
 def test_verify_parity_one_line_per_check_at_80_when_nothing_is_vacuous(monkeypatch, capsys):
-    from moebench.cli import parity
+    from moebench.cli import parity_console
 
     check = {"name": "replicate-bad-device-id", "status": "pass", "max_abs_diff": 1.5e-8, "max_rel_diff": 1.4e-3,
              "tolerance": "1e-05/2e-07", "magnitude": 1.2, "vacuous": 0, "unasserted": 0, "elapsed_s": 12.4,
@@ -372,7 +372,7 @@ def test_verify_parity_one_line_per_check_at_80_when_nothing_is_vacuous(monkeypa
                "counts": {"pass": 1, "fail": 0, "skip": 0}, "vacuous_total": 0, "wall_time_s": 12.5,
                "run_path": "results/parity/x"}
     monkeypatch.setenv("COLUMNS", str(COLS))
-    parity._print_table(summary)
+    parity_console.print_table(summary)
     out = capsys.readouterr().out
     assert_fits(out)
     (row,) = [line for line in out.splitlines() if "replicate-bad-device-id" in line]

@@ -13,6 +13,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -202,9 +203,9 @@ DEFAULT_SUITE = 2
 FAULT_CASES = [
     # (fault "<module in tests/faults>:<name>" or None, row settings, exit status, a line the output holds)
     (None, DS_ROW, 0, "OK: 112 quantities agree with the one-process reference (exit 0)."),
-    ("repro_faults:expert-grad-x2", DS_ROW, 1, "  The reduced gradients of the expert group(s) differ (scaled by 2)."),
+    ("repro_faults:expert-grad-x2", DS_ROW, 1, "The reduced gradients of the expert group(s) differ (scaled by 2)."),
     ("repro_faults:expert-grad-x2", dict(zero_stage=2, ep_size=2, world_size=2), 1,
-     "  The reduced gradients of the expert group(s) differ (scaled by 2)."),
+     "The reduced gradients of the expert group(s) differ (scaled by 2)."),
     (None, dict(zero_stage=2, ep_size=1, world_size=2, grad_accum=2, clip=0.05, top_k=2), 0, "OK: "),
     (None, dict(zero_stage=1, ep_size=2, world_size=2, drop_tokens=True, use_residual=True), 0, "OK: "),
     # ds-matrix's faults (tests/faults/ds_faults.py)
@@ -215,7 +216,8 @@ FAULT_CASES = [
     # A finding on DeepSpeed 0.19.8 (deepspeedai/DeepSpeed#8475, open): ZeRO 0 clips by the MEAN of the ranks'
     # norms, each over its own experts, not by the norm of every parameter counted once.
     (None, dict(zero_stage=0, ep_size=2, world_size=2, clip=0.05), 1,
-     "  (1.033): the global gradient norm or the clip coefficient differs. The engine"),
+     "(1.081): the global gradient norm or the clip coefficient differs; the engine's norm 0.2143 is the MEAN over "
+     "ranks of each rank's own-parameter norm (its own experts only), not the norm over every parameter (0.2316"),
     # the same through a user's --ds-config clip of 1.0: the script multiplies the loss as the row did
     (None, dict(zero_stage=0, ep_size=2, world_size=2, clip=1.0, loss_multiplier=20.0), 1,
      "clip 1 binds at every step"),
@@ -240,7 +242,7 @@ def test_deepspeed_script_reproduces_the_fault_and_passes_unbroken(tmp_path, fau
     done, tag = run_script(path, tmp_path, fault=fault)
     out = done.stdout
     assert done.returncode == status, out + done.stderr[-3000:]
-    assert any(line.startswith(expected) for line in out.splitlines()), out
+    assert expected in " ".join(out.split()), out
     if status == 1:
         assert "BUG: first divergence at ZeRO" in out
         assert "max abs diff" in out and "actual/expected ratio" in out and "expected [" in out
@@ -360,3 +362,39 @@ def test_cli_writes_the_script_of_each_failing_row_and_lists_it(tmp_path):
     assert sorted(item["path"] for item in summary["repro"]) == [str(p) for p in written]
     again, _ = run_script(written[0], tmp_path, fault="repro_faults:fairscale-backward-local")
     assert again.returncode == 1, again.stdout + again.stderr[-3000:]
+
+
+def _figures(text: str) -> list[str]:
+    """The figures of a global-norm finding, in order: from "reduced gradients right" to the norm over every
+    parameter (the common factors or the engine's norms, the norm it used, the reference's)."""
+    flat = " ".join(text.split())
+    start = flat.lower().index("reduced gradients right")
+    end = flat.index(")", flat.index("every parameter (", start))
+    return re.findall(r"\d+\.\d+", flat[start:end])
+
+
+@pytest.mark.multirank
+@pytest.mark.faults
+@pytest.mark.parametrize("key,fault", [
+    ("deepspeed/engine/zero0/ep=2/w2/clip", None),  # DeepSpeed#8475 on the pinned release
+    pytest.param("deepspeed/engine/zero1/ep=2/w2/clip", "ds_faults:local-global-norm", marks=pytest.mark.slow),
+])
+def test_the_tool_and_its_script_print_the_same_figures(tmp_path, key, fault):
+    """One source of numbers: `--row KEY --repro DIR` and the script it writes, run standalone, name the same
+    common factor and norms to 4 digits (the script pastes the tool's model, data and reading of an update)."""
+    env = {**os.environ, "MOEBENCH_RESULTS": str(tmp_path / "results")}
+    if fault:  # DS_ACCELERATOR: the fault imports DeepSpeed at start-up, before moebench names its accelerator
+        env.update(PYTHONPATH=os.pathsep.join([str(INJECT), str(REPO)]), MOEBENCH_INJECT_FAULT=fault,
+                   DS_ACCELERATOR="cpu")
+    tool = subprocess.run([sys.executable, "-m", "moebench", "verify-parity", "--library", "deepspeed", "-n", "2",
+                           "--row", key, "--repro", str(tmp_path / "scripts"), "--json"], env=env, text=True,
+                          capture_output=True, timeout=SCRIPT_TIMEOUT_S)
+    assert tool.returncode == 1, tool.stderr[-3000:]
+    (row,) = json.loads(tool.stdout)["rows"]
+    assert row["diagnosis_name"] == "global-norm" and row["rerun"].endswith(f"--row {key}")
+    script = tmp_path / "scripts" / repro.script_name(key)
+    done, tag = run_script(script, tmp_path, fault=fault)
+    assert done.returncode == 1, done.stdout + done.stderr[-3000:]
+    tool_figures, script_figures = _figures(row["diagnosis"]), _figures(done.stdout)
+    assert len(tool_figures) >= 3 and tool_figures == script_figures, (row["diagnosis"], done.stdout)
+    assert not _survivors(tag)

@@ -22,47 +22,37 @@ would be vacuous.
 The first step where anything differs is analysed on every rank (mechanisms.py) and the row's
 diagnosis names the mechanism, ZeRO stage, step and parameter group; what differs later is counted as
 its consequence (diagnose.FIRST_DIVERGENCE).
-
-Over 400 lines: an engine row is one story told step by step (settings, model, one-process reference, the
-comparisons of every phase); its mechanisms, half precision, names and user config are modules of their own.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from moebench.libraries.deepspeed import half as half_precision
 from moebench.libraries.deepspeed.names import DIAGNOSIS_GROUP, global_name, group, label
+from moebench.libraries.deepspeed.rowmath import (
+    D_MODEL,
+    EXPERTS_PER_RANK,
+    LR,
+    STEPS,
+    batch,
+    engine_config,
+    loss_of,
+    moe_fields,
+    reference_step,
+)
 from moebench.libraries.deepspeed.user_config import BINDING_CLIP, clip_loss_multiplier
 from moebench.libraries.spec import Row, Settings
 from moebench.models.deepspeed_moe import TinyMoENet
 from moebench.parity.diagnosis import OUTPUT, REPLICATED, ROUTER
 from moebench.parity.layout import ExpertLayout
 
-D_MODEL = 8
-D_HIDDEN = 16
-EXPERTS_PER_RANK = 1
-"""Experts = EXPERTS_PER_RANK x W: one per rank at ep_size = W, W / ep_size per rank below."""
-MICRO = (2, 4)
-"""(batch, seq) of one micro-batch on one rank."""
-LR = 0.1
-"""SGD's learning rate: an update (lr x gradient) stands well above the float32 rounding of the
-parameters it is read from (checks_engine._update_tolerance)."""
-STEPS = 2
-"""Optimizer steps per row: the second shows whether the first step's weights were right everywhere."""
-AUX_WEIGHT = 0.01
-"""Weight of DeepSpeed's load-balancing loss in the training loss (so the gate's gradient includes it)."""
 CLIP = BINDING_CLIP
 """gradient_clipping of a clip row: the reference's unclipped global norm is 0.15-0.4 on these
 models and data (measured), so the clip binds at every step (asserted in the row)."""
-DROPS_CAPACITY_FACTOR = 0.5
-"""capacity_factor of a drops row: half of the even share, so some routes are dropped at every step
-(asserted in the row)."""
 PRECISIONS = ("fp32", "bf16")
 FEATURES = ("grad-accum", "clip", "bf16")
 """Engine features, each a row alone beside the plain one."""
@@ -166,109 +156,15 @@ def row_of(settings: EngineSettings, world_size: int, *, variant: str | None = N
 # ------------------------------------------------------------------ the model
 
 
-def _moe_config(s: EngineSettings, experts: int, ep_size: int):
-    from moebench.variants.deepspeed.config import DeepSpeedMoEConfig
-
-    return DeepSpeedMoEConfig(experts=(experts,), d_hidden=D_HIDDEN,
-                              capacity_factor=DROPS_CAPACITY_FACTOR if s.drop_tokens else 1.0,
-                              eval_capacity_factor=1.0, min_capacity=0, noisy_gate_policy="none",
-                              drop_tokens=s.drop_tokens, use_rts=False, ep_size=ep_size, top_k=s.top_k,
-                              use_residual=s.use_residual)
-
-
 def _engine(model, s: EngineSettings, world: int):
     import deepspeed
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
-    config = {
-        "train_batch_size": MICRO[0] * world * s.grad_accum, "train_micro_batch_size_per_gpu": MICRO[0],
-        "gradient_accumulation_steps": s.grad_accum, "gradient_clipping": s.clip,
-        "zero_optimization": {"stage": s.zero_stage}, "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9, "wall_clock_breakdown": False,
-    }
-    if s.precision == "bf16":
-        config["bf16"] = {"enabled": True}
     groups = split_params_into_different_moe_groups_for_optimizer(
         {"params": list(model.parameters()), "name": "parameters"})
     optimizer = torch.optim.SGD(groups, lr=LR)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=engine_config(s, world))
     return engine
-
-
-def _batch(seed: int, stage: int, step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed * 100_003 + 10_000 * stage + 100 * step + 10 * micro + rank)
-    return torch.randn(*MICRO, D_MODEL, generator=g), torch.randn(*MICRO, D_MODEL, generator=g)
-
-
-def _loss(model, x, y, multiplier: float = 1.0):
-    pred, aux = model(x)
-    return (torch.nn.functional.mse_loss(pred.float(), y) + AUX_WEIGHT * aux.float()) * multiplier
-
-
-# ------------------------------------------------------------------ the reference
-
-
-@dataclasses.dataclass(kw_only=True)
-class RefStep:
-    """What the one-process reference computed for one optimizer step (global parameter names)."""
-
-    losses: list[float]
-    """Mean loss over the W slices, per micro-step."""
-    grad: dict[str, torch.Tensor]
-    """The reduced gradient: mean over slices and micro-steps (float64)."""
-    per_slice: list[list[dict[str, torch.Tensor]]]
-    """[slice][micro] gradient of that slice's loss alone (float64): accumulation alternatives."""
-    norm: float
-    """Global L2 norm of `grad` over every parameter (each expert once)."""
-    coef: float
-    """Clip coefficient min(1, clip / (norm + 1e-6)) (1.0 without clipping)."""
-    update: dict[str, torch.Tensor]
-    """-lr x coef x grad."""
-    dropped: int
-    """Routes dropped at capacity over every slice and micro-step."""
-    routes: int
-    """Routes requested over every slice and micro-step."""
-
-
-def reference_step(ref: nn.Module, s: EngineSettings, world: int, seed: int, step: int, *,
-                   compute: nn.Module | None = None) -> RefStep:
-    """One step of the reference on this process: every slice of every micro-step through the
-    ep_size = 1 model, the gradient averaged as DeepSpeed's data parallelism defines it, clipped by the
-    global norm, SGD applied to `ref` in place. `compute`: a low-precision copy that computes the
-    gradients from `ref`'s weights (copied into it first, inputs cast to its dtype) while `ref` keeps the
-    float32 master weights (mixed precision on one process: the bf16 noise model's baseline)."""
-    params = dict(ref.named_parameters())
-    model, dtype = ref, torch.float32
-    if compute is not None:
-        model, dtype = compute, next(compute.inp.parameters()).dtype
-        with torch.no_grad():
-            for n, p in compute.named_parameters():
-                p.copy_(params[n])
-    used = dict(model.named_parameters())
-    per_slice: list[list[dict[str, torch.Tensor]]] = [[] for _ in range(world)]
-    losses, dropped, routes = [], 0, 0
-    for m in range(s.grad_accum):
-        total = 0.0
-        for r in range(world):
-            x, y = _batch(seed, s.zero_stage, step, m, r)
-            loss = _loss(model, x.to(dtype), y, s.loss_multiplier)
-            grads = torch.autograd.grad(loss, list(used.values()), allow_unused=True)
-            per_slice[r].append({n: (g.double() if g is not None else torch.zeros_like(p, dtype=torch.float64))
-                                 for (n, p), g in zip(used.items(), grads)})
-            total += float(loss.detach())
-            last = model.moe.last
-            dropped, routes = dropped + last.dropped, routes + last.routes
-        losses.append(total / world)
-    grad = {n: sum(per_slice[r][m][n] for r in range(world) for m in range(s.grad_accum)) / (world * s.grad_accum)
-            for n in params}
-    norm = math.sqrt(sum(float((g * g).sum()) for g in grad.values()))
-    coef = min(1.0, s.clip / (norm + 1e-6)) if s.clip > 0 else 1.0
-    update = {n: -LR * coef * g for n, g in grad.items()}
-    with torch.no_grad():
-        for n, p in params.items():
-            p.add_(update[n].to(p.dtype))
-    return RefStep(losses=losses, grad=grad, per_slice=per_slice, norm=norm, coef=coef, update=update,
-                   dropped=dropped, routes=routes)
 
 
 # ------------------------------------------------------------------ one row on every rank
@@ -302,18 +198,18 @@ def run(ctx, row: Row, opts) -> list:
         if s.precision == "bf16":
             half_precision.supported_or_skip(s)
         create_expert_groups(1)
-        ref = TinyMoENet(_moe_config(s, experts, 1), experts, opts.seed, 0, d_model=D_MODEL)
+        ref = TinyMoENet(moe_fields(s, 1), experts, opts.seed, 0, d_model=D_MODEL)
         ref.moe.moe.set_deepspeed_parallelism()
         half = master = None
         if s.precision == "bf16":  # the noise model's baseline: the same mathematics in bf16 on one process
-            master = TinyMoENet(_moe_config(s, experts, 1), experts, opts.seed, 0, d_model=D_MODEL)
-            half = TinyMoENet(_moe_config(s, experts, 1), experts, opts.seed, 0, d_model=D_MODEL).to(torch.bfloat16)
+            master = TinyMoENet(moe_fields(s, 1), experts, opts.seed, 0, d_model=D_MODEL)
+            half = TinyMoENet(moe_fields(s, 1), experts, opts.seed, 0, d_model=D_MODEL).to(torch.bfloat16)
             master.moe.moe.set_deepspeed_parallelism()
             half.moe.moe.set_deepspeed_parallelism()
         create_expert_groups(s.ep_size)
         ep_rank = ds_groups._get_expert_parallel_rank(f"ep_size_{s.ep_size}")
         layout = ExpertLayout(experts, s.ep_size)
-        model = TinyMoENet(_moe_config(s, experts, s.ep_size), experts, opts.seed, ep_rank, d_model=D_MODEL)
+        model = TinyMoENet(moe_fields(s, s.ep_size), experts, opts.seed, ep_rank, d_model=D_MODEL)
         engine = _engine(model, s, w)
         names = dict(engine.module.named_parameters())
         gname = {n: global_name(n, layout, ep_rank) for n in names}
@@ -330,10 +226,10 @@ def run(ctx, row: Row, opts) -> list:
             reduced: dict[str, torch.Tensor] = {}
             losses = []
             for m in range(s.grad_accum):
-                x, y = _batch(opts.seed, s.zero_stage, step, m, r)
+                x, y = batch(opts.seed, s.zero_stage, step, m, r)
                 if s.precision == "bf16":
                     x = x.to(torch.bfloat16)
-                loss = _loss(engine, x, y, s.loss_multiplier)
+                loss = loss_of(engine, x, y, s.loss_multiplier)
                 engine.backward(loss)
                 total = loss.detach().double().clone()
                 dist.all_reduce(total)

@@ -30,6 +30,7 @@ import torch
 
 from moebench.libraries.deepspeed.names import group as _group
 from moebench.libraries.deepspeed.names import label as _label
+from moebench.libraries.deepspeed.rowmath import common_factors, implied_norm, which_norm
 from moebench.parity import noise
 from moebench.parity.compare import Comparison
 from moebench.parity.diagnose import FIRST_DIVERGENCE, SCALE_FIT_RTOL
@@ -49,13 +50,6 @@ from moebench.parity.diagnosis import (
 
 SCALE_MATCH_RTOL = 0.02
 """A fitted factor k names a ratio of group sizes when within 2 % of it (as diagnose.SCALE_INTEGER_RTOL)."""
-RATIO_ULPS = 2000
-"""Update ratios actual / expected are read only where |expected| >= RATIO_ULPS float32 ulps of the
-tensor's largest |parameter|: an update is read as after - before of float32 parameters (~1 ulp of
-rounding), so there the ratio's noise stays <= 1/2000 = 5e-4, a quarter of CLUSTER_RTOL."""
-CLUSTER_RTOL = 2e-3
-"""Two update ratios belong to one common factor when within 0.2 % of each other: 4x the ratio noise
-(RATIO_ULPS); the clip coefficients of different ranks differ by >= 1 % in every case seen."""
 ALT_RTOL = 1e-4
 """An accumulation alternative matches when within this fraction of the tensor's magnitude."""
 
@@ -268,11 +262,11 @@ def _update_finding(v: StepView, wrong: dict, tag: str, *, grads_read: bool) -> 
     groups = sorted({_group(n) for n in wrong})
     first = next(iter(wrong))
     where = f"{tag}, {'/'.join(groups)} ({_label(first)})"
-    factors = _common_factors(v.updates, v.afters, v.sizes.world)
+    factors = common_factors(v.updates, v.afters, v.sizes.world)
     clip = v.settings.get("clip", 0.0)
     if clip > 0 and factors is not None:
         shown = ", ".join(f"{f:.4g}" for f in factors)
-        implied = clip / (factors[0] * v.clip_coef()) - 1e-6 if len(factors) == 1 else None
+        implied = implied_norm(clip, factors[0], v.clip_coef()) if len(factors) == 1 else None
         return _finding("update", GLOBAL_NORM,
                         ("reduced gradients right; " if grads_read else "")
                         + f"every update on rank {v.rank} is the reference's scaled by one common factor per "
@@ -295,31 +289,6 @@ def _update_finding(v: StepView, wrong: dict, tag: str, *, grads_read: bool) -> 
                      else "applied step wrong (reduced gradients not readable here)")
                     + f" in {_label(first)}" + (f" ({landed})" if landed else "")
                     + ": the partitioning or the copy back into the parameters", where, landed=landed)
-
-
-def _common_factors(updates: dict, afters: dict, world: int) -> list[float] | None:
-    """The distinct factors actual / expected of every update element (at most `world` of them, each a
-    tight cluster), or None when the updates are not piecewise one factor."""
-    ratios = []
-    for name, (a, e) in updates.items():
-        before = afters[name][0] - a
-        keep = e.abs() >= RATIO_ULPS * torch.finfo(torch.float32).eps * float(before.abs().max())
-        if bool(keep.any()):
-            ratios.append((a[keep] / e[keep]).flatten())
-    if not ratios:
-        return None
-    rho, _ = torch.sort(torch.cat(ratios))
-    clusters, start = [], 0
-    for i in range(1, len(rho) + 1):
-        if i == len(rho) or abs(float(rho[i] - rho[i - 1])) > CLUSTER_RTOL * abs(float(rho[i - 1])):
-            clusters.append(rho[start:i])
-            start = i
-    if len(clusters) > world:
-        return None
-    factors = [float(c.mean()) for c in clusters]
-    if all(abs(f - 1.0) <= CLUSTER_RTOL for f in factors):
-        return None
-    return factors
 
 
 def _landed_elsewhere(afters: dict, wrong: dict) -> str:
@@ -347,33 +316,12 @@ def combine(findings: list, *, sizes: GroupSizes, zero_stage: int, step: int) ->
                                         "where": f["where"], "phase": PHASES[phase], "ranks": ranks, **f["details"]})
 
 
-NORM_MATCH_RTOL = 1e-3
-"""An engine's global norm (read, or implied by its clip factor) matches a candidate norm within 0.1 %:
-clip factors are read to ~5e-4 (CLUSTER_RTOL / 4), candidates differ by >= 1 % in every case seen."""
-
-
 def _which_norm(findings: list, world: int) -> str:
     """Which wrong norm the engine used, when every rank's finding tells (a global-norm clause)."""
     if len(findings) != world or any(g["details"].get("engine_norm") is None for g in findings):
         return ""
-    engine = [g["details"]["engine_norm"] for g in findings]
-    own = [g["details"]["own_norm"] for g in findings]
-    ref = findings[0]["details"]["ref_norm"]
-
-    def near(a: float, b: float) -> bool:
-        return abs(a - b) <= NORM_MATCH_RTOL * abs(b)
-
-    mean_own = sum(own) / len(own)
-    if all(near(e, mean_own) for e in engine) and not near(mean_own, ref):
-        return (f"; the engine's norm {engine[0]:.4g} is the MEAN over ranks of each rank's own-parameter norm "
-                f"(its own experts only), not the norm over every parameter ({ref:.4g}, each expert once)")
-    if all(near(e, o) for e, o in zip(engine, own)) and not all(near(o, ref) for o in own):
-        return (f"; each rank's norm ({', '.join(f'{e:.4g}' for e in engine)}) is its own parameters' alone, "
-                f"not the norm over every parameter ({ref:.4g})")
-    if not all(near(e, engine[0]) for e in engine):
-        return (f"; the ranks disagree on the global norm ({', '.join(f'{e:.4g}' for e in engine)}): each used a "
-                f"norm of its own, not the one over every parameter ({ref:.4g})")
-    return ""
+    return which_norm([g["details"]["engine_norm"] for g in findings], [g["details"]["own_norm"] for g in findings],
+                      findings[0]["details"]["ref_norm"])
 
 
 def first_divergence_comparison(finding: dict, *, rank: int) -> Comparison:

@@ -10,10 +10,9 @@ atomically; rank 0 alone). The summary gains "repro": [{"check", "path"}] and "n
 (and "repro_error" when DIR could not be written: the run then exits 1).
 
 One template mechanism for every script (`fill`): a template is a file in templates/, with exactly one line
-marked `# @SETTINGS@` (replaced by the row's settings as a JSON literal) and optionally one line marked
-`@HARNESS@` (replaced by templates/harness.py: the parent, deadline, comparison and report most scripts share)
-and one marked `@LAYOUT@` (replaced by moebench/parity/layout.py: local slot <-> global expert, as the tool maps
-them).
+marked `# @SETTINGS@` (replaced by the row's settings as a JSON literal) and optionally lines marked with the
+INSERTS below (each replaced by a file of moebench: the harness most scripts share, the expert layout, the
+DeepSpeed rows' model and mathematics), so a script reproduces its row with the tool's own code.
 """
 
 from __future__ import annotations
@@ -27,8 +26,12 @@ from typing import Any
 SETTINGS_MARKER = "# @SETTINGS@"
 """The one template line replaced by `SETTINGS = json.loads('<the row's settings>')`."""
 INSERTS = {"@HARNESS@": ("moebench.libraries.repro", "templates/harness.py"),
-           "@LAYOUT@": ("moebench.parity", "layout.py")}
-"""Marker -> the file pasted in its place (at most one line each)."""
+           "@LAYOUT@": ("moebench.parity", "layout.py"),
+           "@TINYMOE@": ("moebench.models", "deepspeed_moe.py"),
+           "@ROWMATH@": ("moebench.libraries.deepspeed", "rowmath.py")}
+"""Marker -> the file pasted in its place (at most one line each): the parts of moebench a script shares with the
+tool, so both build the same model from the same seed and read it the same way. A pasted file imports only the
+stdlib, torch and the library; its `from __future__` line is left out (it must open a file)."""
 
 
 def script_name(key: str) -> str:
@@ -62,7 +65,9 @@ def fill(name: str, settings: dict[str, Any], *, key: str) -> str:
             out.append(f"SETTINGS = json.loads({literal!r})\n")
         elif marker is not None:
             package, path = INSERTS[marker]
-            out.append(f"# ---- pasted from {package.replace('.', '/')}/{path}\n{_text(package, path)}# ----\n")
+            text = "".join(t for t in _text(package, path).splitlines(keepends=True)
+                           if not t.startswith("from __future__ import"))
+            out.append(f"# ---- pasted from {package.replace('.', '/')}/{path}\n{text}# ----\n")
         else:
             out.append(line)
     from moebench.version import __version__

@@ -1,44 +1,48 @@
 """Standalone reproduction: DeepSpeed MoE trained through deepspeed.initialize over W gloo ranks on CPU,
-against the same mathematics on one process.
+against the same mathematics on one process: the row of `moebench verify-parity --library deepspeed` named on
+the first line, with its settings, seed and data.
 
 Needs only Python, torch and deepspeed. Run: `python THIS_FILE` (option: --deadline SECONDS).
 Exit status: 1 the bug shows (the first diverging quantity is printed), 0 it does not, 2 setup error.
 
-Model: Linear -> tanh -> deepspeed.moe.layer.MoE -> Linear. Every parameter is seeded by its GLOBAL name
-(expert j of ep rank e is global expert e * local + j), so every ep_size builds the same model.
-Engine: W ranks, `deepspeed.initialize` with torch's SGD (not Adam: Adam divides by the gradient's own
-size, so a gradient scaled by k would move the weights almost as the right one does), the settings below.
-DeepSpeed's CPU comm backend would JIT-build its shared-memory op; it is marked incompatible in
+The model, its data and the one-process reference are the tool's own (pasted below from moebench: the tiny
+net around deepspeed.moe.layer.MoE, every expert seeded by its GLOBAL index so every ep_size builds the same
+model; the row's batches; the reference step), so this script and the tool print the same figures.
+Engine: W ranks, `deepspeed.initialize` with torch's SGD (not Adam: Adam divides by the gradient's own size, so
+a gradient scaled by k would move the weights almost as the right one does) and the row's config. DeepSpeed's
+CPU comm backend would JIT-build its shared-memory op; it is marked incompatible in
 `deepspeed.ops.__compatible_ops__` (DeepSpeed's own switch) so gloo does the collectives.
-Reference: one process, the same weights, DeepSpeed's MoE at ep_size = 1 applied to each rank's slice
-of the batch (capacity is per rank), gradients averaged over the W ranks and the accumulation
-micro-steps, clipped by the global norm, plain SGD (p -= lr * g).
-Compared at every optimizer step, in this order: each rank's loss, the gradient after the engine's
-reduction (before clipping), the update the step applied (after - before = -lr x clipped gradient),
-and each parameter after the step. The first quantity that differs is the bug; what follows it is
-its consequence.
+Reference: one process, the same weights, DeepSpeed's MoE at ep_size = 1 applied to each rank's slice of the
+batch (capacity is per rank), gradients averaged over the W ranks and the accumulation micro-steps, clipped by
+the global norm, plain SGD (p -= lr * g).
+Compared at every optimizer step, in this order: each rank's loss, the gradient after the engine's reduction
+(before clipping), the engine's global gradient norm (ZeRO 1/2 with clipping, where it keeps one), the update the
+step applied (after - before = -lr x clipped gradient), and each parameter after the step. The first quantity
+that differs is the bug; what follows it is its consequence.
 """
 
 # ruff: noqa: F405
 import math
 import os
 import sys
-import zlib
+import types
 
 from harness import *  # noqa: F403  @HARNESS@ (moebench pastes the shared harness here)
+from rowmath import *  # noqa: F403  @ROWMATH@ (moebench pastes moebench/libraries/deepspeed/rowmath.py here)
+from tinymoe import *  # noqa: F403  @TINYMOE@ (moebench pastes moebench/models/deepspeed_moe.py here)
 
 SETTINGS = json.loads('{"zero_stage": 1, "ep_size": 2, "world_size": 2}')  # @SETTINGS@ (filled by moebench)
-
-D_MODEL = 8
-D_HIDDEN = 16
-MICRO = (2, 4)  # (batch, sequence) per rank and micro-step
-LR = 0.1
-AUX_COEF = 0.01  # the MoE's load-balancing loss, as users add it
-KINDS = ("loss", "reduced gradient", "applied update", "parameter after the step")
+ROW = types.SimpleNamespace(**{"grad_accum": 1, "clip": 0.0, "precision": "fp32", "top_k": 1, "drop_tokens": False,
+                               "use_residual": False, "steps": STEPS, "loss_multiplier": 1.0, **SETTINGS})
+KINDS = ("loss", "reduced gradient", "global norm", "applied update", "parameter after the step")
+LOSS, GRAD, NORM, UPDATE, AFTER = range(len(KINDS))
+READS_NORM = ROW.clip > 0 and ROW.zero_stage > 0
+"""The tool reads the engine's global norm where DeepSpeed keeps one: ZeRO 1/2 with clipping."""
+PREFIX = "moe.moe.deepspeed_moe.experts.deepspeed_experts."
 
 
 def group_of(name):
-    if ".deepspeed_experts." in name:
+    if name.startswith(PREFIX):
         return "expert"
     if ".gate.wg." in name:
         return "gate"
@@ -48,66 +52,11 @@ def group_of(name):
 
 
 def global_name(name, ep_rank, local):
-    """A local expert parameter's name -> the same expert's name at ep_size = 1."""
-    parts = name.split(".")
-    if "deepspeed_experts" in parts:
-        i = parts.index("deepspeed_experts") + 1
-        parts[i] = str(ep_rank * local + int(parts[i]))
-    return ".".join(parts)
-
-
-def build(ep_size, experts):
-    import torch
-    from deepspeed.moe.layer import MoE
-    from torch import nn
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inp = nn.Linear(D_MODEL, D_MODEL)
-            expert = nn.Sequential(nn.Linear(D_MODEL, D_HIDDEN), nn.GELU(), nn.Linear(D_HIDDEN, D_MODEL))
-            self.moe = MoE(hidden_size=D_MODEL, expert=expert, num_experts=experts, ep_size=ep_size,
-                           k=SETTINGS.get("top_k", 1), capacity_factor=SETTINGS.get("capacity_factor", 1.0),
-                           eval_capacity_factor=1.0, min_capacity=SETTINGS.get("min_capacity", 0),
-                           use_residual=bool(SETTINGS.get("use_residual", False)), noisy_gate_policy=None,
-                           drop_tokens=bool(SETTINGS.get("drop_tokens", False)), use_rts=False,
-                           top2_2nd_expert_sampling=False)
-            self.out = nn.Linear(D_MODEL, D_MODEL)
-
-        def forward(self, x):
-            y, aux, _counts = self.moe(torch.tanh(self.inp(x)))
-            return self.out(y), aux
-
-    return Net()
-
-
-def seed_weights(model, ep_rank):
-    """Every parameter from a generator keyed by its global name: the same model at every ep_size."""
-    import torch
-
-    local = model.moe.num_local_experts
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            gname = global_name(name, ep_rank, local)
-            gen = torch.Generator().manual_seed(SETTINGS.get("seed", 0) * 1_000_003 + zlib.crc32(gname.encode()))
-            bound = 1.0 / math.sqrt(p.shape[-1] if p.dim() > 1 else D_MODEL)
-            p.copy_(torch.rand(p.shape, generator=gen) * 2 * bound - bound)
-
-
-def batch(step, micro, rank):
-    """Rank `rank`'s slice of the global batch of optimizer step `step`, micro-step `micro`."""
-    import torch
-
-    g = torch.Generator().manual_seed(SETTINGS.get("seed", 0) * 100_003 + step * 1009 + micro * 101 + rank)
-    return torch.randn(*MICRO, D_MODEL, generator=g), torch.randn(*MICRO, D_MODEL, generator=g)
-
-
-def loss_of(model_out, y):
-    import torch
-
-    pred, aux = model_out
-    multiplier = SETTINGS.get("loss_multiplier", 1.0)  # how a large gradient_clipping binds on this small model
-    return (torch.nn.functional.mse_loss(pred.float(), y) + AUX_COEF * aux.float()) * multiplier
+    """A local expert parameter's name -> the same expert's name at ep_size = 1 (contiguous layout)."""
+    if not name.startswith(PREFIX):
+        return name
+    slot, rest = name[len(PREFIX):].split(".", 1)
+    return f"{PREFIX}{ep_rank * local + int(slot)}.{rest}"
 
 
 def init_deepspeed(rank, world, store_path, deadline):
@@ -126,18 +75,6 @@ def init_deepspeed(rank, world, store_path, deadline):
     warnings.simplefilter("ignore")
 
 
-def expert_groups(ep_size):
-    """DeepSpeed's expert / expert-data groups for ep_size, created now (as deepspeed.initialize would,
-    through the same private module `deepspeed.utils.groups` DeepSpeed's MoE layer calls) so that each
-    expert is seeded by its global index BEFORE the engine copies the weights; this rank's ep rank."""
-    from deepspeed.utils import groups
-
-    name = f"ep_size_{ep_size}"
-    if name not in groups._get_expert_parallel_group_dict():
-        groups._create_expert_and_data_parallel(ep_size)
-    return groups._get_expert_parallel_rank(name)
-
-
 def engine_rank(rank, world, store_path, out, deadline):
     """One of the W ranks: the engine as DeepSpeed's users run it; records what it did."""
     phase = SETUP
@@ -150,44 +87,46 @@ def engine_rank(rank, world, store_path, out, deadline):
         import deepspeed
         import deepspeed.comm as ds_dist
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+        from deepspeed.utils import groups as ds_groups
         from deepspeed.utils import safe_get_full_grad
 
-        ep, experts, accum = SETTINGS["ep_size"], SETTINGS.get("experts", world), SETTINGS.get("grad_accum", 1)
-        model = build(ep, experts)
-        ep_rank = expert_groups(ep)
-        seed_weights(model, ep_rank)
+        ep, experts, accum, seed = ROW.ep_size, EXPERTS_PER_RANK * world, ROW.grad_accum, ROW.seed
+        create_expert_groups(ep)
+        ep_rank = ds_groups._get_expert_parallel_rank(f"ep_size_{ep}")
+        model = TinyMoENet(moe_fields(ROW, ep), experts, seed, ep_rank, d_model=D_MODEL)
         local = model.moe.num_local_experts
-        config = {"train_micro_batch_size_per_gpu": MICRO[0], "gradient_accumulation_steps": accum,
-                  "train_batch_size": MICRO[0] * accum * world, "zero_optimization": {"stage": SETTINGS["zero_stage"]},
-                  "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
-                  "gradient_clipping": float(SETTINGS.get("clip", 0.0))}
-        groups = split_params_into_different_moe_groups_for_optimizer(
+        param_groups = split_params_into_different_moe_groups_for_optimizer(
             {"params": list(model.parameters()), "name": "parameters"})
-        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(groups, lr=LR), config=config)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(param_groups, lr=LR),
+                                          config=engine_config(ROW, world))
         names = [(global_name(n, ep_rank, local), p) for n, p in engine.module.named_parameters()]
         records = []
         phase = TRAINING
-        for step in range(SETTINGS.get("steps", 2)):
+        for step in range(ROW.steps):
             for micro in range(accum):
-                x, y = batch(step, micro, rank)
-                loss = loss_of(engine(x), y)
-                records.append((step, 0, f"loss (rank {rank}, micro-step {micro + 1})", "loss",
+                x, y = batch(seed, ROW.zero_stage, step, micro, rank)
+                loss = loss_of(engine, x, y, ROW.loss_multiplier)
+                records.append((step, LOSS, f"loss (rank {rank}, micro-step {micro + 1})", "loss",
                                 loss.detach().double().reshape(1)))
                 engine.backward(loss)
                 if micro == accum - 1:  # the boundary: gradients reduced, the step not yet taken
                     for gname, p in names:
                         grad = safe_get_full_grad(p)  # a collective at ZeRO 1/2: every rank, same order
                         if grad is not None:
-                            records.append((step, 1, f"{gname} reduced gradient", group_of(gname),
+                            records.append((step, GRAD, f"{gname} reduced gradient", group_of(gname),
                                             grad.detach().double().clone()))
                     before = {gname: p.detach().double().clone() for gname, p in names}
                 engine.step()  # after every backward: DeepSpeed counts micro-steps here
+            norm = engine.get_global_grad_norm() if READS_NORM and hasattr(engine, "get_global_grad_norm") else None
+            if norm is not None:
+                records.append((step, NORM, f"global gradient norm (rank {rank})", "all", torch.tensor(
+                    [float(norm)], dtype=torch.float64)))
             for gname, p in names:
                 after = p.detach().double().clone()
-                records.append((step, 2, f"{gname} update applied by the step", group_of(gname),
+                records.append((step, UPDATE, f"{gname} update applied by the step", group_of(gname),
                                 after - before[gname], before[gname]))
-                records.append((step, 3, f"{gname} after the step", group_of(gname), after))
-        save(out, rank, {"records": records})
+                records.append((step, AFTER, f"{gname} after the step", group_of(gname), after))
+        save(out, rank, {"records": records, "held": [gname for gname, _ in names]})
         phase = "teardown"
         ds_dist.barrier()
     except BaseException:  # noqa: BLE001 - reported to the parent, which decides the exit status
@@ -197,50 +136,45 @@ def engine_rank(rank, world, store_path, out, deadline):
 
 
 def reference_rank(world, store_path, out, deadline):
-    """The reference: one process, ep_size = 1, each rank's slice through the same layer, plain math."""
+    """The reference: one process, ep_size = 1, each rank's slice through the same layer (rowmath.reference_step,
+    the tool's own reference)."""
     phase = SETUP
     try:
         watchdog(deadline)
         env_defaults()
-        import torch
-
         init_deepspeed(0, 1, store_path, deadline)
-        experts, accum = SETTINGS.get("experts", world), SETTINGS.get("grad_accum", 1)
-        clip = float(SETTINGS.get("clip", 0.0))
-        model = build(1, experts)
-        expert_groups(1)
-        model.moe.set_deepspeed_parallelism()
-        seed_weights(model, 0)
-        params = list(model.named_parameters())
-        records, norms = [], []
+        experts = EXPERTS_PER_RANK * world
+        create_expert_groups(1)
+        model = TinyMoENet(moe_fields(ROW, 1), experts, ROW.seed, 0, d_model=D_MODEL)
+        model.moe.moe.set_deepspeed_parallelism()
+        records, steps = [], []
         phase = TRAINING
-        for step in range(SETTINGS.get("steps", 2)):
-            model.zero_grad(set_to_none=True)
-            for micro in range(accum):
-                for rank in range(world):
-                    x, y = batch(step, micro, rank)
-                    loss = loss_of(model(x), y)
-                    records.append((step, 0, f"loss (rank {rank}, micro-step {micro + 1})", "loss",
-                                    loss.detach().double().reshape(1)))
-                    (loss / (world * accum)).backward()
-            grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().double() for n, p in params}
-            for n, _ in params:
-                records.append((step, 1, f"{n} reduced gradient", group_of(n), grads[n].clone()))
-            norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads.values()))
-            scale = clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0
-            norms.append(norm)
-            with torch.no_grad():
-                for n, p in params:
-                    before = p.detach().double().clone()
-                    p.sub_((LR * scale * grads[n]).to(p.dtype))
-                    records.append((step, 2, f"{n} update applied by the step", group_of(n),
-                                    -LR * scale * grads[n], before))
-                    records.append((step, 3, f"{n} after the step", group_of(n), p.detach().double().clone()))
-        save(out, "reference", {"records": records, "norms": norms})
+        for step in range(ROW.steps):
+            before = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+            ref = reference_step(model, ROW, world, ROW.seed, step)
+            for micro, losses in enumerate(ref.slice_losses):
+                for rank, value in enumerate(losses):
+                    records.append((step, LOSS, f"loss (rank {rank}, micro-step {micro + 1})", "loss",
+                                    torch_tensor([value])))
+            for rank in range(world if READS_NORM else 0):
+                records.append((step, NORM, f"global gradient norm (rank {rank})", "all", torch_tensor([ref.norm])))
+            for n, p in model.named_parameters():
+                records.append((step, GRAD, f"{n} reduced gradient", group_of(n), ref.grad[n]))
+                records.append((step, UPDATE, f"{n} update applied by the step", group_of(n), ref.update[n],
+                                before[n]))
+                records.append((step, AFTER, f"{n} after the step", group_of(n), p.detach().double().clone()))
+            steps.append({"norm": ref.norm, "coef": ref.coef, "grad": ref.grad})
+        save(out, "reference", {"records": records, "steps": steps})
     except BaseException:  # noqa: BLE001
         fail(out, "reference", phase)
         os._exit(1)
     os._exit(0)
+
+
+def torch_tensor(values):
+    import torch
+
+    return torch.tensor(values, dtype=torch.float64)
 
 
 def describe():
@@ -250,45 +184,83 @@ def describe():
     keys = ("zero_stage", "ep_size", "grad_accum", "clip", "precision", "top_k", "drop_tokens", "use_residual",
             "steps", "seed")
     shown = ", ".join(f"{k}={SETTINGS[k]}" for k in keys if k in SETTINGS)
-    if SETTINGS.get("loss_multiplier", 1.0) != 1.0:
-        shown += f", loss x {SETTINGS['loss_multiplier']:g} (so that the clip binds on this small model)"
+    if ROW.loss_multiplier != 1.0:
+        shown += f", loss x {ROW.loss_multiplier:g} (so that the clip binds on this small model)"
     return f"DeepSpeed {deepspeed.__version__} engine, {SETTINGS['world_size']} gloo ranks: {shown}"
 
 
-NORMS = []
-"""The reference's global gradient norm per step (set by `notes`, read by `mechanism`)."""
+RESULTS = {}
+"""Every process's records (set by `notes`, read by `mechanism`)."""
 
 
 def notes(results):
-    clip = float(SETTINGS.get("clip", 0.0))
-    NORMS[:] = results["reference"]["norms"]
-    if clip <= 0:
+    RESULTS.clear()
+    RESULTS.update(results)
+    if ROW.clip <= 0:
         return []
-    norms = NORMS
-    binds = [i + 1 for i, n in enumerate(norms) if n > clip]
+    norms = [s["norm"] for s in results["reference"]["steps"]]
+    binds = [i + 1 for i, n in enumerate(norms) if n > ROW.clip]
     where = "at every step" if len(binds) == len(norms) else f"at steps {binds}" if binds else "never"
-    shown = ", ".join(f"{n:.3g}" for n in norms)
-    return [f"clip {clip:g} binds {where} (reference global gradient norms {shown})"]
+    shown = ", ".join(f"{n:.4g}" for n in norms)
+    return [f"clip {ROW.clip:g} binds {where} (reference global gradient norms {shown})"]
+
+
+def own_norms(step):
+    """Per rank, the reference gradient's norm over the parameters that rank holds (its experts alone)."""
+    grad = RESULTS["reference"]["steps"][step]["grad"]
+    return [math.sqrt(sum(float((grad[g] ** 2).sum()) for g in RESULTS[rank]["held"]))
+            for rank in range(SETTINGS["world_size"])]
+
+
+def update_factors(step):
+    """Per rank: the common factors of its updates over the reference's (rowmath.common_factors, as the tool
+    reads them) and the global norm they imply."""
+    world = SETTINGS["world_size"]
+    ref_records = {(s, k, n): rest for s, k, n, *rest in RESULTS["reference"]["records"]}
+    coef = RESULTS["reference"]["steps"][step]["coef"]
+    out = []
+    for rank in range(world):
+        updates, afters = {}, {}
+        for s, k, n, _group, tensor, *before in RESULTS[rank]["records"]:
+            if s != step or k not in (UPDATE, AFTER):
+                continue
+            gname = n.rsplit(" update applied", 1)[0] if k == UPDATE else n.rsplit(" after the step", 1)[0]
+            (updates if k == UPDATE else afters)[gname] = (tensor, ref_records[(s, k, n)][1])
+        factors = common_factors(updates, afters, world)
+        out.append((factors, implied_norm(ROW.clip, factors[0], coef) if factors and len(factors) == 1 else None))
+    return out
 
 
 def mechanism(kind, rows):
-    """One sentence: what the first divergence says about its mechanism."""
+    """One sentence: what the first divergence says about its mechanism (the tool's words and figures)."""
     k = common_factor(rows)
     factor = "varying factors" if k is None else f"{k:.4g}"
     groups = ", ".join(sorted({r[4] for r in rows}))
-    if kind == 0:
+    step, rank = rows[0][0], rows[0][2]
+    ref_norm = RESULTS["reference"]["steps"][step]["norm"] if RESULTS else 0.0
+    if kind == LOSS:
         return "The forward pass differs (the gate, the experts' exchange or the model itself)."
-    if kind == 1:
+    if kind == GRAD:
         return f"The reduced gradients of the {groups} group(s) differ (scaled by {factor})."
-    if kind == 2 and k is not None:
-        said = (f"Reduced gradients agree, every differing update is scaled by one factor ({factor}): "
-                "the global gradient norm or the clip coefficient differs.")
-        step, clip = rows[0][0], float(SETTINGS.get("clip", 0.0))
-        if clip > 0 and step < len(NORMS) and NORMS[step] > clip and k > 0:  # the update is lr * clip / norm * g
-            said += (f" The engine clipped as if the global norm were {NORMS[step] / k:.4g}; the reference's "
-                     f"is {NORMS[step]:.4g}.")
-        return said
-    if kind == 2:
+    if kind == NORM:
+        norms = {r[2]: float(r[9][0]) for r in rows}
+        engine = norms[rank]
+        said = (f"Reduced gradients right; the engine's global gradient norm is {engine:.4g} on rank {rank}, the "
+                f"reference's {ref_norm:.4g} (x {engine / ref_norm:.4g}): the clip coefficient differs, so every "
+                "update is scaled by it")
+        if len(norms) == SETTINGS["world_size"]:
+            said += which_norm([norms[r] for r in sorted(norms)], own_norms(step), ref_norm)
+        return said + "."
+    if kind == UPDATE:
+        per_rank = update_factors(step)
+        factors = per_rank[rank][0]
+        if ROW.clip > 0 and factors:
+            said = (f"Reduced gradients right; every update on rank {rank} is the reference's scaled by one common "
+                    f"factor per rank or ZeRO partition ({', '.join(f'{f:.4g}' for f in factors)}): the global "
+                    "gradient norm or the clip coefficient differs")
+            if all(implied is not None for _, implied in per_rank):
+                said += which_norm([i for _, i in per_rank], own_norms(step), ref_norm)
+            return said + "."
         return "Reduced gradients agree, the applied step does not: partitioning or the copy back."
     return "The update agrees, the parameter does not: the updated partition was copied back wrongly."
 
