@@ -60,7 +60,8 @@ def test_a_repro_script_is_none_or_standalone(adapter):
             continue
         scripts += 1
         tree = ast.parse(source)
-        imported = {n.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for n in node.names}
+        imported = {n.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                    for n in node.names}
         imported |= {node.module.split(".")[0] for node in ast.walk(tree)
                      if isinstance(node, ast.ImportFrom) and node.module and not node.level}
         assert imported - set(sys.stdlib_module_names) <= STANDALONE, (row.key(), imported)

@@ -69,7 +69,8 @@ BROKEN = {
                    "ADAPTER = A()\n",
     "rankraises.py": "from moebench.libraries.spec import Adapter, Row\n"
                      "def run(ctx, row, opts):\n    raise ValueError('boom in my rank code')\n"
-                     "class A(Adapter):\n    name, import_name = 'rankraises', 'torch'\n    runners = {'parity': run}\n"
+                     "class A(Adapter):\n    name, import_name = 'rankraises', 'torch'\n"
+                     "    runners = {'parity': run}\n"
                      "    def rows(self, w, *, resume=False, user_config=None):\n"
                      "        return [Row(library='rankraises', model='m', backend='-', ep_mode='-', world_size=w)]\n"
                      "ADAPTER = A()\n",
