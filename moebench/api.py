@@ -49,25 +49,54 @@ def run(variant: str, preset: str | None = None, *, results_dir: str | None = No
     return None if outcome.run_path is None else results.to_jsonable(outcome.summary)
 
 
-def verify_parity(*, world_size: int = 4, checks: str | Sequence[str] | None = None, timeout_s: float = 120.0,
-                  comm_backend: str = "auto", tolerance: str = "strict",
+def verify_parity(*, world_size: int | None = None, checks: str | Sequence[str] | None = None,
+                  timeout_s: float = 120.0, comm_backend: str = "auto", tolerance: str = "strict",
                   impls: Mapping[str, str] | Sequence[str] = (), seed: int = 0, debug_collectives: bool = False,
-                  results_dir: str | None = None) -> dict[str, Any]:
-    """The parity checks, like `moebench verify-parity --json`.
+                  results_dir: str | None = None, library: str | Sequence[str] | None = None,
+                  adapter: str | None = None, ds_config: str | None = None, resume: bool = False,
+                  repro: str | None = None, rows: Sequence[str] = (), full: bool = False) -> dict[str, Any]:
+    """The parity checks, or a library's conformance rows, like `moebench verify-parity --json`.
 
-    `checks`: names (see `moebench verify-parity --list`) or None for all; `impls`: your code
-    instead of moebench's, {"experts": "my_pkg.moe:Experts", ...} (the `--impl` contracts of
-    docs/verify-parity.md). Returns the summary: "status" ("ok" when at least one check passed and
-    none failed, else "failed") and one record per check under "checks".
+    The checks: `checks` names (see `moebench verify-parity --list`) or None for all, at `world_size` ranks
+    (default 4); `impls`: your code instead of moebench's, {"experts": "my_pkg.moe:Experts", ...} (the `--impl`
+    contracts of docs/verify-parity.md). The library rows instead (docs/libraries.md): `library` names
+    ("deepspeed" or ["fairscale", "transformers"]), `adapter` your own adapter object ("pkg.mod:ADAPTER",
+    docs/adding-a-library.md), at `world_size` or at 2 and 4; `ds_config` a DeepSpeed config file, `resume` the
+    resume rows, `rows` only the rows whose key matches one of these globs, `repro` a new folder for the failing
+    rows' standalone scripts. Returns the summary: "status" ("ok" when at least one check passed and none failed,
+    else "failed"), one record per check under "checks" (each with its failed comparisons; every comparison with
+    `full=True`, and always in the run's summary.json) and, for library rows, one record per row under "rows".
     """
     from moebench import results
+    from moebench.parity.printed import failed_only
     from moebench.parity.runner import parity_config
     from moebench.parity.runner import verify_parity as run_parity
 
     results.check_root(results_dir, "parity")
-    config = parity_config(world_size=world_size, checks=checks, timeout_s=timeout_s, comm_backend=comm_backend,
-                           tolerance=tolerance, impls=impls, debug_collectives=debug_collectives, seed=seed)
-    return results.to_jsonable(run_parity(config, results_dir=results_dir))
+    rows_asked = library is not None or adapter is not None or ds_config is not None
+    if rows_asked and checks is not None:
+        raise UserError("runs the library rows, not checks; drop checks or library", flag="--library")
+    for flag, given in (("--repro", repro is not None), ("--resume", resume), ("--row", bool(rows))):
+        if given and not rows_asked:
+            raise UserError("applies to library rows; give library= (or adapter=) too", flag=flag)
+    if isinstance(rows, str):
+        rows = (rows,)
+    config = parity_config(world_size=4 if world_size is None else world_size, checks=checks, timeout_s=timeout_s,
+                           comm_backend=comm_backend, tolerance=tolerance, impls=impls,
+                           debug_collectives=debug_collectives, seed=seed)
+    if not rows_asked:
+        from moebench.resources import require_ranks_fit
+
+        require_ranks_fit(config.world_size)
+        summary = run_parity(config, results_dir=results_dir)
+    else:
+        from moebench.libraries import verify
+
+        request = verify.LibraryRequest(libraries=verify.names_of(library) if library is not None else (),
+                                        adapter=adapter, world_size=world_size, ds_config=ds_config, resume=resume,
+                                        repro=repro, rows=tuple(rows))
+        summary = verify.run(verify.prepare(request, results_dir), config, results_dir=results_dir)
+    return results.to_jsonable(summary if full else failed_only(summary))
 
 
 def env_check(*, probe: bool = True, probe_timeout_s: float = 30.0, strict: bool = False,

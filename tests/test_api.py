@@ -99,3 +99,39 @@ def test_bad_python_values_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="--checks: unknown check"):
         moebench.verify_parity(checks="all-gather-variable,nope", results_dir=root)
     assert _runs(tmp_path / "results") == []
+
+
+CLI_ONLY = {"--list", "--json", "--help", "--backend"}
+"""verify-parity's options with no API argument: what to print (the API returns the document) and a hidden alias."""
+API_NAME = {"--timeout": "timeout_s", "--impl": "impls", "--row": "rows", "--json-full": "full"}
+"""Where the argument is not the flag without its dashes."""
+
+
+def test_the_api_takes_every_option_of_verify_parity():
+    import inspect
+
+    import typer
+
+    from moebench.cli.app import app
+
+    root = typer.main.get_command(app)
+    command = root.get_command(None, "verify-parity")
+    flags = {name for p in command.params if p.param_type_name == "option" for name in p.opts if name.startswith("--")}
+    wanted = {API_NAME.get(f, f[2:].replace("-", "_")) for f in flags - CLI_ONLY}
+    api = set(inspect.signature(moebench.verify_parity).parameters)
+    assert wanted <= api, sorted(wanted - api)
+    assert api - wanted == set(), sorted(api - wanted)  # and nothing the command does not have
+
+
+@pytest.mark.multirank
+def test_the_api_verifies_a_library_like_the_command(tmp_path):
+    pytest.importorskip("fairscale")
+    doc = moebench.verify_parity(library="fairscale", world_size=2, results_dir=str(tmp_path),
+                                 rows=["*/a2a-E=W/*"])
+    assert [(r["library"], r["world_size"], r["verdict"]) for r in doc["rows"]] == [("fairscale", 2, "pass")]
+    assert doc["comparisons_printed"] == "failed" and all(c["comparisons"] == [] for c in doc["checks"])
+    with pytest.raises(UserError, match="--row: matches no row: nothing/here"):
+        moebench.verify_parity(library="fairscale", world_size=2, results_dir=str(tmp_path), rows=["nothing/here"])
+    with pytest.raises(UserError, match="--resume: applies to library rows"):
+        moebench.verify_parity(resume=True, results_dir=str(tmp_path))
+    assert len(_runs(tmp_path)) == 1  # the refusals wrote nothing

@@ -37,8 +37,8 @@ def runs(
     results_dir: Optional[str] = flags.shared_option("results_dir"),
     as_json: bool = flags.shared_option("as_json"),
 ) -> None:
-    """List the runs under the results root, newest first: kind, run id, status, start, preset, ranks,
-    launcher, final loss, wall time."""
+    """List the runs under the results root, newest first: kind, run id, status, start, preset (or what a parity
+    run verified: its checks, or its libraries' rows), ranks, launcher, final loss, wall time."""
     from moebench import results
     from moebench.errors import UserError
 
@@ -84,19 +84,40 @@ def _row(kind: str, run) -> dict:
     ranks = summary.get("world_size") or (config.get("launch") or {}).get("world_size")
     if ranks is None and config.get("world_sizes"):  # bench: the world sizes it swept
         ranks = ",".join(str(w) for w in config["world_sizes"])
+    verified = None
+    if kind == "parity":
+        verified, worlds = _verified(summary)
+        ranks = worlds or ranks
     return {"kind": kind, "run_id": run.name, "status": files.status,
             "started_at": summary.get("started_at"), "wall_time_s": summary.get("wall_time_s"),
             "preset": config.get("preset") if kind != "bench" or config.get("train") else None,
-            "world_size": ranks, "launcher": summary.get("launcher"),
+            "verified": verified, "world_size": ranks, "launcher": summary.get("launcher"),
             "final_loss": loss.get("last") if isinstance(loss, dict) else None, "run_path": str(run),
             **({"damage": files.damage} if files.damage else {})}
+
+
+def _verified(summary: dict) -> tuple[str | None, str | int | None]:
+    """What a parity run verified ("13 checks", "deepspeed 46 rows, fairscale 4 rows") and its world sizes
+    ("2,4" for library rows at two sizes); (None, None) when its summary does not say."""
+    rows, checks = summary.get("rows"), summary.get("checks")
+    if rows:
+        per = {}
+        for r in rows:
+            per[r.get("library", "?")] = per.get(r.get("library", "?"), 0) + 1
+        worlds = sorted({r["world_size"] for r in rows if isinstance(r.get("world_size"), int)})
+        shown = ",".join(map(str, worlds)) if len(worlds) > 1 else (worlds[0] if worlds else None)
+        return ", ".join(f"{lib} {n} row{'s' if n > 1 else ''}" for lib, n in per.items()), shown
+    if checks:
+        return f"{len(checks)} check{'s' if len(checks) > 1 else ''}", None
+    return None, None
 
 
 def _cells(row: dict) -> dict[str, str]:
     wall, loss, started = row["wall_time_s"], row["final_loss"], row["started_at"]
     return {"kind": row["kind"], "run id": row["run_id"], "status": row["status"],
             "started": str(started).replace("T", " ") if started else "-",
-            "preset": row["preset"] or "-", "ranks": "-" if row["world_size"] is None else str(row["world_size"]),
+            "what": row["preset"] or row.get("verified") or "-",
+            "ranks": "-" if row["world_size"] is None else str(row["world_size"]),
             "launcher": row["launcher"] or "-",
             "final loss": f"{loss:.5g}" if isinstance(loss, (int, float)) else "-",
             "wall": f"{wall:.1f} s" if isinstance(wall, (int, float)) else "-"}
@@ -104,8 +125,9 @@ def _cells(row: dict) -> dict[str, str]:
 
 RIGHT = ("ranks", "final loss", "wall")
 """Columns aligned right (numbers)."""
-WIDE = ("kind", "run id", "status", "started", "preset", "ranks", "launcher", "final loss", "wall")
-"""One line per run, when the terminal is wide enough."""
+WIDE = ("kind", "run id", "status", "started", "what", "ranks", "launcher", "final loss", "wall")
+"""One line per run, when the terminal is wide enough. `what`: a run's preset, or what a parity run verified
+(its checks, or its libraries' rows)."""
 NARROW = ("kind", "run id", "status", "final loss", "wall")
 """First line of a run on a narrower terminal; a second line under the run id says the rest."""
 
@@ -120,10 +142,11 @@ def listing(rows: list[dict], root, width: int, kind: str | None = None) -> list
         return head + line[:1] + [x for row, first in zip(rows, line[1:]) for x in [first] + _damage(row, width)]
     out = _table(NARROW, cells)
     indent = " " * (len(out[0]) - len(out[0].lstrip(" ")) + _width("kind", cells) + len(GAP))
-    lines = [out[0], indent + "started, preset, ranks, launcher"]
+    lines = [out[0], indent + "started, what, ranks, launcher"]
     for source, row, first in zip(rows, cells, out[1:]):
         ranks = "" if row["ranks"] == "-" else "1 rank" if row["ranks"] == "1" else f"{row['ranks']} ranks"
-        rest = [row["started"], f"preset {row['preset']}" if row["preset"] != "-" else "", ranks,
+        what = f"preset {source['preset']}" if source["preset"] else source.get("verified") or ""
+        rest = [row["started"], what, ranks,
                 f"via {row['launcher']}" if row["launcher"] != "-" else ""]
         lines += [first, indent + ", ".join(p for p in rest if p)] + _damage(source, width)
     return head + lines

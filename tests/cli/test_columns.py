@@ -326,7 +326,7 @@ def test_runs_lists_header_preset_ranks_launcher_loss_and_start(root):
                           (160, piped("runs", "--results-dir", str(root), columns=160))):
         assert_fits(text, columns)
         assert "3 run(s) under" in text.splitlines()[0]
-        for header in ("kind", "run id", "status", "started", "preset", "ranks", "launcher", "final loss", "wall"):
+        for header in ("kind", "run id", "status", "started", "what", "ranks", "launcher", "final loss", "wall"):
             assert header in text, header
         for summary in made:
             assert summary["run_id"] in text and summary["status"] in text
@@ -340,6 +340,29 @@ def test_runs_lists_header_preset_ranks_launcher_loss_and_start(root):
     fastmoe = rows[2]
     assert (fastmoe["preset"], fastmoe["world_size"], fastmoe["launcher"], fastmoe["final_loss"]) == \
         ("quick", 2, "moebench", 1.234567)
+
+
+def test_runs_says_what_a_parity_run_verified(root):
+    """A parity run's `what`: its checks, or each library's rows and the world sizes they ran at."""
+    from moebench import results
+    from moebench.parity.runner import CheckRecord
+
+    def checks(n: int) -> list[dict]:
+        return [results.to_jsonable(CheckRecord(name=f"c{i}", status="skip", seed_source="", description="", catches="",
+                                                world_size=2, elapsed_s=0.0, reason="skipped")) for i in range(n)]
+
+    run = results.RunDir.create("parity", root=root)
+    run.finish(results.STATUS_INTERRUPTED, {"world_size": 4, "checks": checks(2)})
+    run = results.RunDir.create("parity", root=root)
+    rows = [{"library": "deepspeed", "world_size": 2}, {"library": "deepspeed", "world_size": 4},
+            {"library": "fairscale", "world_size": 2}]
+    run.finish(results.STATUS_INTERRUPTED, {"world_size": 2, "checks": checks(3), "rows": rows})
+    listed = json.loads(piped("runs", "--json", "--results-dir", str(root)))["runs"]
+    assert [(r["verified"], r["world_size"]) for r in listed] == [("deepspeed 2 rows, fairscale 1 row", "2,4"),
+                                                                   ("2 checks", 4)]
+    text = piped("runs", "--results-dir", str(root), columns=160)
+    assert "deepspeed 2 rows, fairscale 1 row" in text and "2 checks" in text
+    assert_whole("2,4", text)
 
 
 def test_runs_one_line_per_run_when_wide_two_when_narrow(root):
