@@ -348,8 +348,9 @@ def test_runs_says_what_a_parity_run_verified(root):
     from moebench.parity.runner import CheckRecord
 
     def checks(n: int) -> list[dict]:
-        return [results.to_jsonable(CheckRecord(name=f"c{i}", status="skip", seed_source="", description="", catches="",
-                                                world_size=2, elapsed_s=0.0, reason="skipped")) for i in range(n)]
+        made = [CheckRecord(name=f"c{i}", status="skip", seed_source="", description="", catches="", world_size=2,
+                            elapsed_s=0.0, reason="skipped") for i in range(n)]
+        return [results.to_jsonable(record) for record in made]
 
     run = results.RunDir.create("parity", root=root)
     run.finish(results.STATUS_INTERRUPTED, {"world_size": 4, "checks": checks(2)})
