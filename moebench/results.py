@@ -23,7 +23,6 @@ import datetime
 import json
 import math
 import os
-import secrets
 import socket
 import time
 from pathlib import Path
@@ -78,10 +77,16 @@ def check_root(root: str | os.PathLike | None, kind: str) -> Path:
 
 
 def new_run_id(name: str = "") -> str:
-    """Sortable, unique even for two runs started in the same second: 20261122-015355-quick-3f9a."""
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    parts = [stamp] + ([name] if name else []) + [secrets.token_hex(2)]
-    return "-".join(parts)
+    """Sortable to the microsecond: 20261122-015355-quick-421337 (the last part: the microseconds; two runs
+    made in the same one are told apart by RunDir.create, which draws again)."""
+    now = datetime.datetime.now()
+    return "-".join([now.strftime("%Y%m%d-%H%M%S")] + ([name] if name else []) + [f"{now.microsecond:06d}"])
+
+
+def run_order(path: Path) -> tuple[str, str]:
+    """A run folder's place in time: its id's second, then what follows the name (microseconds; a random
+    suffix for ids made before they carried them)."""
+    return path.name[:15], path.name.rsplit("-", 1)[-1]
 
 
 def to_jsonable(value: Any) -> Any:
@@ -302,13 +307,20 @@ class RunDir:
         check_root(root, kind)
         signals.check()  # a Ctrl-C swallowed on the way here: nothing is created
         mark_abandoned(results_root(root) / kind)
-        path = results_root(root) / kind / (run_id or new_run_id(name))
-        try:
-            path.mkdir(parents=True, exist_ok=False)
-        except OSError as exc:  # a race, or a file system that refuses (read-only, /proc, full)
-            from moebench.errors import UserError
+        for attempt in range(8):  # a fresh id for a run started in the same microsecond as another
+            path = results_root(root) / kind / (run_id or new_run_id(name))
+            try:
+                path.mkdir(parents=True, exist_ok=False)
+                break
+            except FileExistsError:
+                if run_id is not None or attempt == 7:
+                    from moebench.errors import UserError
 
-            raise UserError(f"cannot create {path}: {exc.strerror or exc}", flag="--results-dir") from None
+                    raise UserError(f"cannot create {path}: it exists", flag="--results-dir") from None
+            except OSError as exc:  # a file system that refuses (read-only, /proc, full)
+                from moebench.errors import UserError
+
+                raise UserError(f"cannot create {path}: {exc.strerror or exc}", flag="--results-dir") from None
         return cls(path, started)
 
     @property
@@ -423,4 +435,4 @@ def latest_runs(kind: str, root: str | os.PathLike | None = None) -> Iterable[Pa
     base = results_root(root) / kind
     if not base.is_dir():
         return []
-    return sorted((p for p in base.iterdir() if p.is_dir()), reverse=True)
+    return sorted((p for p in base.iterdir() if p.is_dir()), key=run_order, reverse=True)

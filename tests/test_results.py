@@ -54,3 +54,19 @@ def test_check_root_rejects_a_file_anywhere_on_the_path(tmp_path):
         results.check_root(blocker / "below", "fastmoe")
     assert results.check_root(tmp_path / "new", "fastmoe") == tmp_path / "new" / "fastmoe"
     assert not (tmp_path / "new").exists()  # validation creates nothing
+
+
+def test_runs_made_in_the_same_second_come_back_newest_first(tmp_path, monkeypatch):
+    """Run ids carry microseconds: a report or `runs` listing runs made within one second (a script, a test)
+    gets them newest first, whatever their names or random suffixes."""
+    made = [results.RunDir.create("demo", name, root=tmp_path).path for name in ("zzz", "aaa", "", "mmm") * 3]
+    assert len({p.name[:15] for p in made}) <= 2  # most in one second: the case this is about
+    assert list(results.latest_runs("demo", tmp_path)) == made[::-1]
+
+
+def test_a_run_id_taken_in_the_same_microsecond_is_drawn_again(tmp_path, monkeypatch):
+    ids = iter(["20261126-101010-000011", "20261126-101010-000011", "20261126-101010-000012"])
+    monkeypatch.setattr(results, "new_run_id", lambda name="": next(ids))
+    first = results.RunDir.create("demo", root=tmp_path)
+    second = results.RunDir.create("demo", root=tmp_path)
+    assert (first.run_id, second.run_id) == ("20261126-101010-000011", "20261126-101010-000012")

@@ -64,9 +64,9 @@ def report(
     for kind, run in outcome.primary.items():  # say which runs were judged: never a silent choice
         if run is not None:
             typer.echo(f"{kind:<10} {run.run_id} ({run.status})")
-    if outcome.library is not None:  # its own section: never the parity verdict's run
-        lib_rows = outcome.library.summary.get("rows") or []
-        typer.echo(f"{'library':<10} {outcome.library.run_id} ({outcome.library.status}): {len(lib_rows)} rows, "
+    for run in outcome.libraries:  # their own section: never the parity verdict's run
+        lib_rows = run.summary.get("rows") or []
+        typer.echo(f"{'library':<10} {run.run_id} ({run.status}): {len(lib_rows)} rows, "
                    + ", ".join(f"{sum(r['verdict'] == v for r in lib_rows)} {v}" for v in ("pass", "fail", "skip"))
                    + "".join(f", {n} refused" for n in [sum(r["verdict"] == "refused" for r in lib_rows)] if n))
     from moebench.console import print_fitting

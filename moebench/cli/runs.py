@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -56,7 +57,7 @@ def runs(
         if kind not in known:
             raise UserError(f"unknown kind {kind}; expected one of {', '.join(known)}", flag="--kind")
     rows = [_row(name, run) for name in ([kind] if kind else present) for run in results.latest_runs(name, root)]
-    rows.sort(key=lambda r: (r["started_at"] or "", r["run_id"]), reverse=True)
+    rows.sort(key=lambda r: (r["started_at"] or "", results.run_order(Path(r["run_path"]))), reverse=True)
     if as_json:
         typer.echo(json.dumps({"runs": rows}, indent=2))
         return

@@ -149,15 +149,19 @@ def verify_libraries(adapters: list[Adapter], world_sizes: tuple[int, ...], *, c
                                  "checks": tuple(c.name for c in checks)})
         by_name = {c.name: c for c in checks}
 
+        def labelled(summary: dict[str, Any]) -> dict[str, Any]:  # also an interrupted run's: the rows it ran
+            return {**with_rows(summary, annotate), **(summary_extra or {})}
+
         def decorate(summary: dict[str, Any]) -> dict[str, Any]:
-            summary = {**with_rows(summary, annotate), **(summary_extra or {})}
+            summary = labelled(summary)
             if repro_dir is None:
                 return summary
             from moebench.libraries.repro import write_scripts
 
             return write_scripts(repro_dir, summary, by_name, config_fields.get("seed", 0))
 
-        return verify_parity(config, results_dir=results_dir, on_record=on_record, decorate=decorate)
+        return verify_parity(config, results_dir=results_dir, on_record=on_record, decorate=decorate,
+                             decorate_partial=labelled)
 
 
 def config_fields(config) -> dict[str, Any]:

@@ -123,6 +123,9 @@ class Comparison:
     group: str = ""
     """The parameter group compared (diagnosis.GROUPS), set where the comparison is made; "" leaves it to the
     built-in checks' naming convention (diagnose.group_of)."""
+    used: float | None = None
+    """For a judged assertion with a number behind it (the noise model's distance over its allowance): the share
+    of the allowance used (> 1 fails); None for the others (a tolerance's share comes from the fields above)."""
 
     def __post_init__(self) -> None:
         if not self.asserted:
@@ -200,9 +203,11 @@ def _compare(name: str, actual: Any, expected: Any, tol: Tolerance, *, rank: int
 
 
 def assertion(name: str, passed: bool, *, rank: int | None = None, kind: str = "equal", note: str = "",
-              asserted: bool = True, group: str = "") -> Comparison:
-    """A non-numeric assertion (keys equal, an exception raised with the right message)."""
-    return Comparison(name=name, passed=bool(passed), rank=rank, kind=kind, note=note, asserted=asserted, group=group)
+              asserted: bool = True, group: str = "", used: float | None = None) -> Comparison:
+    """A non-numeric assertion (keys equal, an exception raised with the right message); `used`: the share of
+    an allowance it used, when a number decided it (Comparison.used)."""
+    return Comparison(name=name, passed=bool(passed), rank=rank, kind=kind, note=note, asserted=asserted, group=group,
+                      used=used)
 
 
 def pick(mode: str, *, strict: Tolerance, seed: Tolerance | None) -> tuple[Tolerance, bool]:

@@ -93,6 +93,8 @@ def judge(tag: str, what: str, run: torch.Tensor, baseline: torch.Tensor, *, ran
     `group` is the parameter group judged (diagnosis.GROUPS)."""
     d_run, d_base = distance(run), distance(baseline)
     ok = d_run <= BF16_NOISE_RATIO * d_base
+    allowed = BF16_NOISE_RATIO * d_base
+    used = d_run / allowed if allowed > 0 else (0.0 if d_run == 0 else math.inf)
     return assertion(f"{tag}: bf16 noise model: {what}'s distance from fp32 {d_run:.3g} <= "
                      f"{BF16_NOISE_RATIO:g} x bf16 on one process ({d_base:.3g})", ok, rank=rank, group=group,
-                     note=f"ratio {d_run / d_base:.3g}" if d_base > 0 else "no baseline distance")
+                     note=f"ratio {d_run / d_base:.3g}" if d_base > 0 else "no baseline distance", used=used)

@@ -321,23 +321,25 @@ def no_check_ran(summary: dict[str, Any]) -> str:
 
 def verify_parity(config: ParityConfig, *, results_dir: str | None = None,
                   on_record: Callable[[CheckRecord], None] | None = None,
-                  decorate: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> dict[str, Any]:
+                  decorate: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+                  decorate_partial: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> dict[str, Any]:
     """Validate, run, and save under results/parity/<run-id>/ (rank 0 only). Returns the summary.
 
     The summary's "status" is "ok" when at least one check passed and none failed, else "failed"
     (with a "reason" when every check was skipped). `decorate(summary)` may add keys before it is
-    saved (the library matrix's rows). Ctrl-C / SIGTERM write "interrupted" and
-    propagate as KeyboardInterrupt; any other exception writes "failed" and propagates."""
+    saved (the library matrix's rows); `decorate_partial` does the same for a run that ends early, over the
+    checks that finished. Ctrl-C / SIGTERM write "interrupted" and propagate as KeyboardInterrupt; any other
+    exception writes "failed" and propagates."""
     from moebench.models.deepspeed_moe import set_accelerator_env
 
     select(list(config.checks) or None)  # unknown names fail before any folder exists
     set_accelerator_env("cuda" if config.comm_backend == "nccl" or torch.cuda.is_available() else "cpu")
     is_writer = not under_torchrun() or int(os.environ.get("RANK", "0")) == 0
     with sigterm_as_interrupt():
-        return _run_and_save(config, results_dir, on_record, is_writer, decorate)
+        return _run_and_save(config, results_dir, on_record, is_writer, decorate, decorate_partial)
 
 
-def _run_and_save(config, results_dir, on_record, is_writer, decorate=None) -> dict[str, Any]:
+def _run_and_save(config, results_dir, on_record, is_writer, decorate=None, decorate_partial=None) -> dict[str, Any]:
     run_dir = RunDir.create("parity", root=results_dir) if is_writer else None
     if run_dir is not None:
         run_dir.write_json("config.json", {"kind": "parity", **dataclasses.asdict(config)})
@@ -351,8 +353,9 @@ def _run_and_save(config, results_dir, on_record, is_writer, decorate=None) -> d
 
     def finish_early(status: str, **extra) -> None:
         if run_dir is not None:  # keep what finished before the interruption / error
+            partial = {**extra, "checks": [dataclasses.asdict(r) for r in done]}
             with contextlib.suppress(OSError):  # unwritable: the error on its way out says more
-                run_dir.finish(status, {**extra, "checks": [dataclasses.asdict(r) for r in done]})
+                run_dir.finish(status, decorate_partial(partial) if decorate_partial is not None else partial)
 
     try:
         summary = run_checks(config, on_record=record_done)

@@ -30,8 +30,14 @@ class ReportResult:
     damaged: dict[str, collect.Run] = dataclasses.field(default_factory=dict)
     """Per kind (env, fastmoe, deepspeed, parity, bench), the damaged run the report would have
     read: its claims or section are not judged, and the report says so."""
-    library: collect.Run | None = None
-    """The `verify-parity --library` run shown in its own section (never the parity verdict's run)."""
+    libraries: list[collect.Run] = dataclasses.field(default_factory=list)
+    """The `verify-parity --library` runs shown in their own section, newest first (never the parity verdict's
+    run): every one since --since, else the latest of each thing verified (collect.library_runs)."""
+
+    @property
+    def library(self) -> collect.Run | None:
+        """The newest library run shown (None: none)."""
+        return self.libraries[0] if self.libraries else None
 
 
 def build_report(paths: list[str], *, root: str | None = None, since: str | None = None) -> ReportResult:
@@ -50,13 +56,17 @@ def build_report(paths: list[str], *, root: str | None = None, since: str | None
         raise UserError(f"{root_path} does not exist; point it at a results folder (default ./results)",
                         flag="--results-dir")
     prefer = {kind: is_chapter_run(kind) for kind in collect.VARIANT_KINDS}
-    prefer["parity"] = lambda run: not collect.is_library_run(run)  # a --library run has its own section
-    chosen = collect.select(paths, root_path, since_time, prefer)
-    library_run = _library_run(chosen["parity"], paths, root_path, since_time)
+    # the chapter's parity claim: the latest whole-suite run that ran to its end, else the latest whole-suite
+    # run (reported as interrupted or failed); a --library run never (it has its own section)
+    prefer["parity"] = collect.is_whole_suite_run
+    chosen = collect.select(paths, root_path, since_time, prefer,
+                            only={"parity": lambda run: not collect.is_library_run(run)})
+    library_runs = ([r for r in chosen["parity"] if collect.is_library_run(r)] if paths
+                    else collect.library_runs(root_path, since_time))
     chosen["parity"] = [r for r in chosen["parity"] if not collect.is_library_run(r)]
     run_dir = results.RunDir.create("report", root=root)
     run_dir.start({"inputs": [str(r.path) for kind in collect.KINDS for r in chosen[kind]]
-                   + ([str(library_run.path)] if library_run else [])})
+                   + [str(r.path) for r in library_runs]})
     out = run_dir.path
     try:
         primary = {kind: _primary(kind, chosen[kind], prefer.get(kind)) for kind in collect.KINDS}
@@ -64,8 +74,7 @@ def build_report(paths: list[str], *, root: str | None = None, since: str | None
                 for row in variant_rows(kind, primary[kind], _missing(kind, paths, since_time, root_path))]
         rows.append(parity_row(primary["parity"], _missing("parity", paths, since_time, root_path)))
         counts = {v: sum(r["verdict"] == v for r in rows) for v in (REPRODUCED, DIFFERS, NOT_RUN)}
-        listed = [(kind, r) for kind in collect.KINDS for r in chosen[kind]] + (
-            [("library", library_run)] if library_run else [])
+        listed = [(kind, r) for kind in collect.KINDS for r in chosen[kind]] + [("library", r) for r in library_runs]
 
         blocks: list[Block] = [
             Heading("moebench report: did chapter 6 reproduce?", 1),
@@ -90,7 +99,7 @@ def build_report(paths: list[str], *, root: str | None = None, since: str | None
         signals.check()
         blocks += parity.blocks(primary["parity"], out)
         signals.check()
-        blocks += library.blocks(library_run, out)
+        blocks += library.blocks(library_runs, out)
         signals.check()
         blocks += variants.comparison_blocks(chosen, out)
         signals.check()
@@ -117,15 +126,7 @@ def build_report(paths: list[str], *, root: str | None = None, since: str | None
             raise Interrupted(out) from exc  # the CLI names the folder it marked
         raise
     return ReportResult(path=out, rows=rows, counts=counts, runs=chosen, primary=primary, damaged=damaged,
-                        library=library_run)
-
-
-def _library_run(runs: list[collect.Run], paths: list[str], root: Path, since) -> collect.Run | None:
-    """The `verify-parity --library` run to show: the first among the given folders, else the latest."""
-    if paths:
-        return next((r for r in runs if collect.is_library_run(r)), None)
-    run = collect.latest(root, "parity", since, prefer=collect.is_library_run)
-    return run if run is not None and collect.is_library_run(run) else None
+                        libraries=library_runs)
 
 
 def _primary(kind: str, runs: list[collect.Run], prefer: Callable[[collect.Run], bool] | None):

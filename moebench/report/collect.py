@@ -60,9 +60,29 @@ class Run:
 
 
 def is_library_run(run: Run) -> bool:
-    """A `verify-parity --library` run: its summary has conformance "rows" (its checks are library
-    rows, so it is not the whole suite the chapter's parity verdict is judged on)."""
-    return run.kind == "parity" and "rows" in run.summary
+    """A `verify-parity --library` run (its checks are library rows, so it is not the whole suite the
+    chapter's parity verdict is judged on): its summary has conformance "rows", or (a run that ended before
+    writing them) the checks config.json names are rows, whose names are library/model/... paths."""
+    if run.kind != "parity":
+        return False
+    return "rows" in run.summary or any("/" in str(name) for name in (run.config or {}).get("checks") or ())
+
+
+def is_whole_suite_run(run: Run) -> bool:
+    """A parity run of the built-in checks that ran to its end (ok or failed): what the chapter's parity
+    claim is judged on; never a library run, an interrupted or abandoned one, or a damaged one."""
+    return (run.kind == "parity" and not is_library_run(run) and not run.damage
+            and run.status in (results.STATUS_OK, results.STATUS_FAILED))
+
+
+def library_identity(run: Run) -> tuple:
+    """What a library run verified, to tell runs apart: its libraries, its --ds-config, with or without the
+    resume rows, the rows it was limited to (the latest run of each is the one a report shows)."""
+    rows = run.summary.get("rows") or []
+    names = (run.config or {}).get("checks") or [r.get("check", "") for r in rows]
+    libraries = tuple(sorted({str(name).split("/")[0] for name in names}))
+    resume = any("resume" in str(name) for name in names)
+    return libraries, repr(run.summary.get("ds_config")), resume, len(names)
 
 
 def load_run(path: Path) -> Run:
@@ -78,21 +98,46 @@ def load_run(path: Path) -> Run:
 
 
 def latest(root: Path, kind: str, since: datetime.datetime | None = None,
-           prefer: Callable[[Run], bool] | None = None) -> Run | None:
+           prefer: Callable[[Run], bool] | None = None, only: Callable[[Run], bool] | None = None) -> Run | None:
     """The newest run of one kind, whatever its status (a failed latest run is reported as failed);
     with `prefer`, the newest run it accepts if there is one (the newest run otherwise); with
-    `since`, only runs started at or after it (an older one is not this session's)."""
+    `since`, only runs started at or after it (an older one is not this session's); with `only`, runs it
+    rejects are never taken."""
     newest = None
+    for run in every_run(root, kind, since):
+        if only is not None and not only(run):
+            continue
+        if prefer is None or prefer(run):
+            return run
+        newest = newest or run
+    return newest
+
+
+def every_run(root: Path, kind: str, since: datetime.datetime | None = None):
+    """The runs of one kind, newest first (started at or after `since`, when given)."""
     for path in results.latest_runs(kind, root):
         if not (path / "summary.json").exists():
             continue
         run = load_run(path)
         if since is not None and _started(run) < since:
             break  # run ids sort by time: every later one is older still
-        if prefer is None or prefer(run):
-            return run
-        newest = newest or run
-    return newest
+        yield run
+
+
+def library_runs(root: Path, since: datetime.datetime | None = None) -> list[Run]:
+    """The `verify-parity --library` runs a report shows, newest first: every one started since `since`;
+    without it, the latest of each thing verified (library_identity: a fairscale run and a DeepSpeed
+    --ds-config run made before the latest DeepSpeed run are still shown)."""
+    runs = [run for run in every_run(root, "parity", since) if is_library_run(run)]
+    if since is not None:
+        return runs
+    seen: set[tuple] = set()
+    latest_each = []
+    for run in runs:
+        if library_identity(run) not in seen:
+            seen.add(library_identity(run))
+            latest_each.append(run)
+    return latest_each
 
 
 def _started(run: Run) -> datetime.datetime:
@@ -118,13 +163,14 @@ def parse_since(text: str) -> datetime.datetime:
 
 
 def select(paths: list[str], root: Path, since: datetime.datetime | None = None,
-           prefer: dict[str, Callable[[Run], bool]] | None = None) -> dict[str, list[Run]]:
+           prefer: dict[str, Callable[[Run], bool]] | None = None,
+           only: dict[str, Callable[[Run], bool]] | None = None) -> dict[str, list[Run]]:
     """Runs per kind: the given folders (in the order given), or the latest of each kind (for a kind
-    in `prefer`, the latest that predicate accepts, if any)."""
+    in `prefer`, the latest that predicate accepts, if any; for a kind in `only`, never one it rejects)."""
     chosen: dict[str, list[Run]] = {kind: [] for kind in KINDS}
     if not paths:
         for kind in KINDS:
-            run = latest(root, kind, since, (prefer or {}).get(kind))
+            run = latest(root, kind, since, (prefer or {}).get(kind), (only or {}).get(kind))
             if run is not None:
                 chosen[kind].append(run)
         return chosen

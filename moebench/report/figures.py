@@ -191,43 +191,68 @@ CLOSENESS_KINDS = ("allclose", "equal")
 
 
 def check_ratio(check: dict) -> float | None:
-    """The largest tolerance ratio over a check's closeness comparisons (None: it has none)."""
+    """The largest share of its allowance over a check's judged comparisons: a tolerance's (closeness
+    comparisons) or the noise model's (`used`); None when it has neither (assertions only, or nothing ran)."""
     ratios = [r for r in (tolerance_ratio(c) for c in check.get("comparisons") or []
                           if c.get("kind", "allclose") in CLOSENESS_KINDS) if r is not None]
+    ratios += [c["used"] for c in check.get("comparisons") or [] if c.get("used") is not None]
     return max(ratios) if ratios else None
+
+
+def by_noise_model(check: dict) -> bool:
+    """Whether the check is judged by the noise model (low precision, moebench.parity.noise)."""
+    return any(c.get("used") is not None for c in check.get("comparisons") or [])
 
 
 BAR_CAP = 1e3
 """Where a ratio bar stops (1000 x the tolerance): beyond it only the label's number grows."""
 
 
-def _ratio_bars(rows: list[tuple[str, float, str]], *, size: tuple[float, float], with_status: bool):
-    """One horizontal bar per (label, largest |difference| / tolerance, status) on a log axis, pass in
-    the measured colour and anything else in the chapter's; returns (fig, ax) for the caller's marker."""
+def _ratio_bars(rows: list[tuple[str, float | None, str]], *, size: tuple[float, float], with_status: bool,
+                notes: list[str] | None = None):
+    """One horizontal bar per (label, largest |difference| / allowance, status) on a log axis, pass in the
+    measured colour and anything else in the chapter's; a row without a ratio (skipped, refused, assertions
+    only) gets no bar, only its note at the left, so every row is on the figure. Returns (fig, ax)."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=size)
+    notes = notes or [""] * len(rows)
     # a bar ends at BAR_CAP at most, so its label (the true ratio) stays inside the axis
-    values = [min(max(r, TOLERANCE_FLOOR), BAR_CAP) for _, r, _ in rows]
+    values = [None if r is None else min(max(r, TOLERANCE_FLOOR), BAR_CAP) for _, r, _ in rows]
     colors = [COLORS["measured"] if status == "pass" else COLORS["chapter"] for _, _, status in rows]
-    ax.barh(range(len(rows)), values, color=colors, left=TOLERANCE_FLOOR / 10)
-    for y, ((_, ratio, status), value) in enumerate(zip(rows, values)):
+    for y, ((_, ratio, status), value, color, note) in enumerate(zip(rows, values, colors, notes)):
+        if value is None:  # nothing with an allowance was compared: its status (and why), in grey
+            ax.text(TOLERANCE_FLOOR / 10, y, f" {status}" + (f": {note}" if note else ""), va="center",
+                    fontsize=8, color="#555555" if status in ("skip", "refused", "pass") else color)
+            continue
+        ax.barh(y, value, color=color, left=TOLERANCE_FLOOR / 10)
         # inf: a difference over a zero tolerance (an exact comparison), or NaN / Inf values
         text = "exact (0)" if ratio == 0 else "inf" if not math.isfinite(ratio) else f"{ratio:.1e}"
-        ax.text(value, y, f" {text} {status}" if with_status else f" {text}", va="center", fontsize=8)
+        text = f" {text} {status}" if with_status else f" {text}"
+        ax.text(value, y, text + (f" ({note})" if note else ""), va="center", fontsize=8)
     ax.set_yticks(range(len(rows)), [name for name, _, _ in rows], fontsize=8 if with_status else None)
     ax.set_ylim(len(rows) - 0.5, -0.5)  # first row on top
     ax.set_xscale("log")
-    ax.set_xlabel("largest |difference| / tolerance (log scale; below 1 passes)")
+    ax.set_xlabel("largest |difference| / allowance (log scale; below 1 passes)")
     return fig, ax
 
 
+def _why_no_bar(status: str, reason: str) -> str:
+    """The note of a row without a bar: why nothing with an allowance was compared."""
+    if status in ("skip", "refused"):
+        first = reason.splitlines()[0] if reason else ""
+        return first.removeprefix(f"{status}: ")[:60]  # a diagnosis starts with its name: said once
+    return "assertions only, no tolerance"
+
+
 def plot_parity(checks: list[dict], path: Path, *, title: str) -> Path | None:
-    """Per check: its largest difference over its tolerance, log scale; 1 is the tolerance."""
-    rows = [(c["name"], check_ratio(c), c.get("status")) for c in checks]
-    rows = [r for r in rows if r[1] is not None]
-    if not rows:
+    """Every check: its largest difference over its tolerance, log scale (1 is the tolerance); a check
+    with nothing to draw a bar for is listed with its status and why."""
+    if not checks:
         return None
-    fig, ax = _ratio_bars(rows, size=(8, 0.38 * len(rows) + 1.5), with_status=False)
+    rows = [(c["name"], check_ratio(c), c.get("status") or "") for c in checks]
+    notes = ["" if ratio is not None else _why_no_bar(status, c.get("reason") or "")
+             for c, (_, ratio, status) in zip(checks, rows)]
+    fig, ax = _ratio_bars(rows, size=(9, 0.38 * len(rows) + 1.5), with_status=False, notes=notes)
     ax.axvline(1.0, color=COLORS["chapter"], ls="--", lw=1)
     ax.text(1.0, 0.02, " tolerance", color=COLORS["chapter"], fontsize=8, va="bottom",
             transform=ax.get_xaxis_transform())
@@ -237,17 +262,24 @@ def plot_parity(checks: list[dict], path: Path, *, title: str) -> Path | None:
 
 
 def plot_library(rows: list[dict], checks: list[dict], path: Path, *, title: str) -> Path | None:
-    """Per conformance row (its check, by name): the largest difference over its tolerance, log scale,
-    coloured by the row's verdict (rows without a comparison, e.g. skipped ones, are not drawn)."""
+    """Every conformance row (its check, by name): the largest difference over its allowance, log scale,
+    coloured by the row's verdict; low-precision rows are judged by the noise model (their distance over the
+    allowed multiple of the one-process baseline's) and say so; skipped and refused rows are listed without
+    a bar, with their reason."""
     from matplotlib.patches import Patch
 
-    by_name = {c["name"]: c for c in checks}
-    drawn = [(r["check"], check_ratio(by_name[r["check"]]), r["verdict"]) for r in rows if r.get("check") in by_name]
-    drawn = [d for d in drawn if d[1] is not None]
-    if not drawn:
+    if not rows:
         return None
-    fig, ax = _ratio_bars(drawn, size=(11, 0.3 * len(drawn) + 1.6), with_status=True)
-    line = ax.axvline(1.0, color=COLORS["chapter"], ls="--", lw=1, label="tolerance")
+    by_name = {c["name"]: c for c in checks}
+    drawn, notes = [], []
+    for r in rows:
+        check = by_name.get(r.get("check"), {})
+        ratio = check_ratio(check)
+        drawn.append((r.get("check") or r.get("key") or "?", ratio, r["verdict"]))
+        notes.append(("noise model" if by_noise_model(check) else "") if ratio is not None
+                     else _why_no_bar(r["verdict"], r.get("diagnosis") or check.get("reason") or ""))
+    fig, ax = _ratio_bars(drawn, size=(11, 0.3 * len(drawn) + 1.6), with_status=True, notes=notes)
+    line = ax.axvline(1.0, color=COLORS["chapter"], ls="--", lw=1, label="allowance")
     ax.legend(handles=[line, Patch(color=COLORS["measured"], label="pass"),
                        Patch(color=COLORS["chapter"], label="fail")], fontsize=8,
               loc="lower left", bbox_to_anchor=(1.0, 0.0))  # beside the axis: never over a row's label

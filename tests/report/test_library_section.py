@@ -85,7 +85,7 @@ def test_the_section_has_the_conformance_table_and_a_figure(root):
     md = (result.path / "REPORT.md").read_text()
     section = md[md.index(HEADING):]
     assert library.name in section
-    assert ("| library | version | model | backend | EP mode | features | world | verdict | largest diff / tolerance "
+    assert ("| library | version | model | backend | EP mode | features | world | verdict | largest diff / allowance "
             "| diagnosis |") in section
     for row in summary["rows"]:  # every row, with the values of summary.json
         assert row["features"] == ["loss-curve"]  # the fairscale rows also compare a 3-step loss curve
@@ -169,3 +169,101 @@ def test_a_huge_or_infinite_ratio_keeps_its_bar_and_label_inside_the_axis(tmp_pa
     labels = {t.get_text().strip(): t.get_position()[0] for t in ax.texts}
     assert labels == {"2.0e-02 pass": 0.02, "3.4e+09 fail": figures.BAR_CAP, "inf fail": figures.BAR_CAP}
     figures.pyplot().close(fig)
+
+
+def _as_new_run(run: Path, **summary_changes) -> Path:
+    """A copy of a run folder under a newer run id (its summary changed as given)."""
+    from moebench import results
+
+    made = results.RunDir.create("parity", root=run.parent.parent).path
+    for f in run.iterdir():
+        shutil.copy(f, made / f.name)
+    data = json.loads((made / "summary.json").read_text())
+    data.update({"run_id": made.name, "run_path": str(made), **summary_changes})
+    (made / "summary.json").write_text(json.dumps(data))
+    return made
+
+
+def test_an_interrupted_library_run_is_never_the_parity_claims_run(root):
+    """Issue 32: a `--library deepspeed --resume` run interrupted before writing its rows was taken as the
+    chapter's parity run ("0 reproduced, 0 differ, 17 not run") though a good suite run was on disk."""
+    suite, library = _runs(root)
+    interrupted = _as_new_run(library, status="interrupted", error="interrupted (SIGINT)")
+    data = json.loads((interrupted / "summary.json").read_text())
+    del data["rows"]  # it ended before writing them; its config.json still names rows
+    (interrupted / "summary.json").write_text(json.dumps(data))
+    result = build.build_report([], root=str(root))
+    assert result.primary["parity"].path == suite and _parity_row(result)["run_id"] == suite.name
+    assert interrupted in [r.path for r in result.libraries]
+
+
+def test_the_parity_claim_comes_from_the_latest_complete_whole_suite_run(root):
+    suite, _ = _runs(root)
+    newer = _as_new_run(suite, status="interrupted", error="interrupted (SIGTERM)")
+    result = build.build_report([], root=str(root))
+    assert result.primary["parity"].path == suite  # not the newer interrupted one
+    shutil.rmtree(suite)  # the only whole-suite run left is interrupted: reported as such
+    result = build.build_report([], root=str(root))
+    assert result.primary["parity"].path == newer and "was interrupted" in _parity_row(result)["reason"]
+
+
+def test_every_library_run_since_and_the_latest_of_each_otherwise(root):
+    """A fairscale run and a --ds-config run made before the latest run are listed, one table and one figure
+    each; with --since, every library run since then."""
+    _, library = _runs(root)
+    other = _as_new_run(library, ds_config={"path": "/x/ds.json", "settings": {}})
+    again = _as_new_run(library)  # the same thing verified again: the newest of the two is shown
+    result = build.build_report([], root=str(root))
+    assert [r.path for r in result.libraries] == [again, other]
+    md = (result.path / "REPORT.md").read_text()
+    assert md.count("| library | version |") == 2 and "--ds-config /x/ds.json" in md
+    assert (result.path / "library.png").exists() and (result.path / f"library-{other.name}.png").exists()
+    since = build.build_report([], root=str(root), since=library.name[:15])
+    assert [r.path for r in since.libraries] == [again, other, library]
+    out = _cli("report", "--results-dir", str(root))
+    assert all(f"library    {r.name} (ok)" in out.stdout for r in (again, other))
+
+
+def test_the_library_figure_has_every_row_refused_skipped_and_noise_judged_ones_too(monkeypatch, tmp_path):
+    """Issue 32: library.png drew 42 of 54 rows (bf16 and refused ones left out, no note). Every row is on
+    it now: a noise-judged row as its distance over the allowance, labelled; a refused or skipped one as its
+    status and reason without a bar."""
+    from moebench.report import figures
+
+    captured = {}
+    monkeypatch.setattr(figures, "save_figure", lambda fig, path: captured.setdefault("fig", fig) and path)
+    tol = {"kind": "allclose", "max_abs_diff": 1e-7, "atol": 1e-6, "rtol": 0.0, "magnitude": 1.0}
+    checks = [{"name": "a/w2", "comparisons": [tol]},
+              {"name": "b/w2/bf16", "comparisons": [{"kind": "equal", "used": 0.31}]},
+              {"name": "c/w2/load", "comparisons": [], "reason": "DeepSpeed refused the load: RuntimeError"},
+              {"name": "d/w2", "comparisons": [], "reason": "needs 4 ranks"}]
+    rows = [{"check": "a/w2", "verdict": "pass"}, {"check": "b/w2/bf16", "verdict": "pass"},
+            {"check": "c/w2/load", "verdict": "refused", "diagnosis": "refused: DeepSpeed refused the load"},
+            {"check": "d/w2", "verdict": "skip"}]
+    assert figures.plot_library(rows, checks, tmp_path / "x.png", title="t") is not None
+    ax = captured["fig"].axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["a/w2", "b/w2/bf16", "c/w2/load", "d/w2"]
+    texts = [t.get_text() for t in ax.texts]
+    assert any("3.1e-01 pass (noise model)" in t for t in texts)
+    assert any(t.strip().startswith("refused: DeepSpeed refused the load") for t in texts)
+    assert any(t.strip() == "skip: needs 4 ranks" for t in texts)
+    assert len(ax.patches) == 2  # bars for the two rows with an allowance only
+    figures.pyplot().close(captured["fig"])
+
+
+def test_the_parity_figure_lists_every_check(monkeypatch, tmp_path):
+    """Issue 32: parity.png drew 12 of 13 checks (the one with assertions only was left out)."""
+    from moebench.report import figures
+
+    captured = {}
+    monkeypatch.setattr(figures, "save_figure", lambda fig, path: captured.setdefault("fig", fig) and path)
+    checks = [{"name": "ddp-sgd", "status": "pass", "comparisons": [
+                  {"kind": "allclose", "max_abs_diff": 0.0, "atol": 1e-6, "rtol": 0.0, "magnitude": 1.0}]},
+              {"name": "mp-group-rank", "status": "pass", "comparisons": [{"kind": "raises"}]},
+              {"name": "deepspeed-moe-ep", "status": "skip", "reason": "needs DeepSpeed", "comparisons": []}]
+    figures.plot_parity(checks, tmp_path / "p.png", title="t")
+    ax = captured["fig"].axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["ddp-sgd", "mp-group-rank", "deepspeed-moe-ep"]
+    texts = [t.get_text().strip() for t in ax.texts]
+    assert "pass: assertions only, no tolerance" in texts and "skip: needs DeepSpeed" in texts
+    figures.pyplot().close(captured["fig"])

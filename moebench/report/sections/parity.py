@@ -32,8 +32,8 @@ def blocks(run: collect.Run | None, out: Path) -> list[Block]:
                                      "note"), rows=tuple(rows), classes=tuple(c.get("status", "") for c in checks)))
     png = figures.plot_parity(checks, out / "parity.png", title="parity: largest difference over its tolerance")
     if png:
-        blocks.append(Figure(png, "Per check, the largest |difference| over its allowed difference (log scale); "
+        blocks.append(Figure(png, "Every check: the largest |difference| over its allowed difference (log scale); "
                                   "a check passes below 1. Exactly equal results are a stub at 1e-9, labelled exact. "
-                                  "Assertions that two things must differ, or that a call raises, have no tolerance "
-                                  "and are not drawn."))
+                                  "A check whose assertions have no tolerance (two things must differ, a call must "
+                                  "raise) or that was skipped has no bar: its status and why stand in its place."))
     return blocks
