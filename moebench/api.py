@@ -67,11 +67,13 @@ def verify_parity(*, world_size: int | None = None, checks: str | Sequence[str] 
     else "failed"), one record per check under "checks" (each with its failed comparisons; every comparison with
     `full=True`, and always in the run's summary.json) and, for library rows, one record per row under "rows".
     """
+    from moebench import config as config_tree
     from moebench import results
     from moebench.parity.printed import failed_only
     from moebench.parity.runner import parity_config
     from moebench.parity.runner import verify_parity as run_parity
 
+    config_tree.require_launch_env()
     results.check_root(results_dir, "parity")
     rows_asked = library is not None or adapter is not None or ds_config is not None
     if rows_asked and checks is not None:

@@ -158,6 +158,16 @@ def require_world_size(world_size: object) -> None:
                         "moebench under torchrun on several machines", flag="--world-size")
 
 
+def require_launch_env() -> None:
+    """Launcher variables that cannot make a rank (RANK without MASTER_ADDR, ...) are refused in one line
+    before any work, in every command that runs ranks (rankenv.launch_env_problem)."""
+    from moebench.rankenv import launch_env_problem
+
+    problem = launch_env_problem()
+    if problem is not None:
+        raise UserError(problem)
+
+
 def require_launched_world(asked: int | None) -> None:
     """Under torchrun (or the deepspeed launcher) the job's WORLD_SIZE is the world size: a
     --world-size that says otherwise is refused, never silently replaced."""

@@ -31,6 +31,13 @@ class RunFailed(RuntimeError):
         super().__init__(message)
 
 
+class RendezvousFailed(RuntimeError):
+    """A launched rank could not meet its peers (none started, a wrong MASTER_ADDR / MASTER_PORT): the CLI says
+    so in one line, and exits 1; a run folder made before it says "failed" with the same words."""
+
+    exit_code = 1
+
+
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C or SIGTERM after a run folder was marked "interrupted": the CLI names the folder."""
 

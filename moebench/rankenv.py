@@ -17,6 +17,32 @@ def is_launched_rank() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def launch_env_problem() -> str | None:
+    """What is wrong with the launcher variables, before any work (None: nothing, or no launcher): a process
+    that RANK and WORLD_SIZE make one rank needs MASTER_ADDR and MASTER_PORT to meet its peers, and numbers
+    that agree (0 <= RANK < WORLD_SIZE)."""
+    has_rank, has_world = "RANK" in os.environ, "WORLD_SIZE" in os.environ
+    if has_rank != has_world:
+        given, missing = ("RANK", "WORLD_SIZE") if has_rank else ("WORLD_SIZE", "RANK")
+        return (f"{given} is set but {missing} is not: start moebench under torchrun, or unset {given} to let it "
+                "start its own ranks")
+    if not has_rank:
+        return None
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except ValueError:
+        return (f"RANK={os.environ['RANK']!r} and WORLD_SIZE={os.environ['WORLD_SIZE']!r} must be whole numbers; "
+                "start moebench under torchrun, or unset them to let it start its own ranks")
+    if world < 1 or not 0 <= rank < world:
+        return (f"RANK={rank} is not a rank of WORLD_SIZE={world} (0 <= RANK < WORLD_SIZE); start moebench under "
+                "torchrun, or unset them to let it start its own ranks")
+    for var in ("MASTER_ADDR", "MASTER_PORT"):
+        if not os.environ.get(var):
+            return (f"RANK and WORLD_SIZE are set but {var} is not: start moebench under torchrun, or unset RANK "
+                    "and WORLD_SIZE to let it start its own ranks")
+    return None
+
+
 LAUNCHERS = ("moebench", "torchrun", "external")
 """Who started a run's ranks: moebench itself, torchrun, or another launcher (the `deepspeed` one)."""
 
@@ -40,7 +66,10 @@ def local_world_size(world_size: int) -> int:
 
 
 def is_printer() -> bool:
-    """Only rank 0 talks (under any launcher); a process that is no rank is rank 0."""
+    """Only rank 0 talks (under any launcher); a process that is no rank is rank 0, and so is one whose
+    launcher variables make no rank (launch_env_problem: it says why itself)."""
+    if launch_env_problem() is not None:
+        return True
     return int(os.environ.get("RANK", "0")) == 0
 
 

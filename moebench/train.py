@@ -40,6 +40,7 @@ def run_variant(variant, config, *, results_root=None, show_progress: bool = Tru
     """Train one validated config of `variant` and record it under results/<variant>/<run-id>/."""
     from moebench import config as config_tree
 
+    config_tree.require_launch_env()  # launcher variables that cannot make a rank: refused before the folder
     record = config_tree.as_dict(config)
     launch_cfg = config.launch
     timeout_s = launch_cfg.timeout_s if launch_cfg.timeout_s is not None else config.default_timeout_s

@@ -13,7 +13,7 @@ from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageErro
 
 from moebench import bounds, signals
 from moebench.cli.help import CONTEXT_SETTINGS, WholeSentenceGroup
-from moebench.errors import RunFailed, UserError
+from moebench.errors import RendezvousFailed, RunFailed, UserError
 from moebench.version import __version__
 
 PEER_REFUSAL_GRACE_S = 3.0
@@ -76,6 +76,9 @@ class _Group(WholeSentenceGroup):
         except RunFailed as exc:
             where = f"\nresults: {exc.run_path}" if exc.run_path else ""
             typer.echo(f"run failed: {exc}{where}", err=True)
+            raise typer.Exit(code=exc.exit_code) from None
+        except RendezvousFailed as exc:  # every rank says it: each waited for the others on its own
+            typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(code=exc.exit_code) from None
         except KeyboardInterrupt as exc:  # on a launched job's other ranks, the launcher's SIGTERM: rank 0 says why
             if _talks():

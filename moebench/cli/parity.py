@@ -170,7 +170,7 @@ def verify_parity(
     import dataclasses
     import functools
 
-    from moebench.config import require_launched_world
+    from moebench.config import require_launch_env, require_launched_world
     from moebench.console import stdout_to_stderr
     from moebench.libraries import verify
     from moebench.libraries.records import Table, row_record
@@ -180,6 +180,7 @@ def verify_parity(
     from moebench.resources import require_ranks_fit
     from moebench.results import check_root
 
+    require_launch_env()
     check_root(results_dir, "parity")
     if is_launched_rank() and ctx.get_parameter_source("world_size").name == "COMMANDLINE":
         require_launched_world(world_size)  # torchrun's WORLD_SIZE decides: a flag saying otherwise is refused

@@ -77,6 +77,7 @@ def run_variant_command(variant, preset, overrides, *, show_config: bool, force:
         if is_printer():
             typer.echo(json.dumps(config_tree.as_dict(config), indent=2))
         return
+    config_tree.require_launch_env()  # before the headline: a refused run says one line only
     if is_printer() and not as_json:
         from moebench.console import terminal_console
 

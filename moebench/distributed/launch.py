@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from moebench import signals, tempdirs
-from moebench.errors import UserError
+from moebench.errors import RendezvousFailed, UserError
 from moebench.rankenv import debug, local_world_size, rank_threads
 from moebench.rankenv import is_launched_rank as under_torchrun
 from moebench.signals import sigterm_as_interrupt  # noqa: F401 - the run driver and parity use it from here
@@ -495,7 +495,15 @@ def _run_as_torchrun_rank(fn, args, backend, timeout_s, label) -> LaunchResult:
         if "nccl" in backend:  # "nccl" or a per-device string such as "cpu:gloo,cuda:nccl"
             torch.cuda.set_device(local_rank)
         dist.set_debug_level_from_env()  # TORCH_DISTRIBUTED_DEBUG may have been set after import
-        dist.init_process_group(backend, init_method="env://", timeout=pg_timeout)
+        try:
+            dist.init_process_group(backend, init_method="env://", timeout=pg_timeout)
+        except (dist.DistError, RuntimeError) as exc:  # DistStoreError / DistNetworkError: no peer came
+            where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise RendezvousFailed(
+                f"rank {rank} of {world_size} could not meet its peers at {where} within "
+                f"{pg_timeout.total_seconds():.0f} s ({first}); start every rank (torchrun --nproc-per-node "
+                f"{world_size} ...), or check MASTER_ADDR and MASTER_PORT") from None
         # Tear the group down before interpreter exit: a live gloo group aborts in its destructor.
         atexit.register(_destroy_process_group)
     if _RESULTS_GROUP is None:

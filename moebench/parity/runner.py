@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from moebench import signals
-from moebench.config import COMM_BACKENDS, require_choice, require_seed, require_world_size
+from moebench.config import COMM_BACKENDS, require_choice, require_launch_env, require_seed, require_world_size
 from moebench.distributed.launch import launch, local_world_size, resolve_backend, sigterm_as_interrupt, under_torchrun
 from moebench.errors import Interrupted, UserError
 from moebench.parity.compare import TOLERANCE_MODES, Comparison
@@ -332,6 +332,7 @@ def verify_parity(config: ParityConfig, *, results_dir: str | None = None,
     exception writes "failed" and propagates."""
     from moebench.models.deepspeed_moe import set_accelerator_env
 
+    require_launch_env()  # launcher variables that cannot make a rank: refused before any folder exists
     select(list(config.checks) or None)  # unknown names fail before any folder exists
     set_accelerator_env("cuda" if config.comm_backend == "nccl" or torch.cuda.is_available() else "cpu")
     is_writer = not under_torchrun() or int(os.environ.get("RANK", "0")) == 0
