@@ -18,6 +18,7 @@ through the schemas), kept together so a written file and its reading cannot dri
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -26,7 +27,7 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from moebench.rankenv import launcher
 
@@ -111,25 +112,29 @@ def to_jsonable(value: Any) -> Any:
 def write_json_atomic(path: str | os.PathLike, data: Any) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(to_jsonable(data), f, indent=2, sort_keys=False, allow_nan=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
+    return _atomic(path, lambda f: (json.dump(to_jsonable(data), f, indent=2, sort_keys=False, allow_nan=False),
+                                    f.write("\n")))
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     """Write a text file so that a reader sees the old file or the whole new one, never half."""
-    path = Path(path)
+    return _atomic(Path(path), lambda f: f.write(text))
+
+
+def _atomic(path: Path, write: Callable[[Any], Any]) -> Path:
+    """`write(file)` into a temporary name beside `path`, then rename it into place; when anything fails (a full
+    disk), the temporary file is removed before the error goes on: nothing is left filling the disk."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return path
 
 
@@ -349,6 +354,15 @@ class RunDir:
             self._metrics.close()
             self._metrics = None
 
+    def _write_unsaved(self, exc: OSError) -> None:
+        """After summary.json could not be written whole: a short one saying the run failed and why (its
+        measurements were not saved), when even that fits; the caller raises the error on."""
+        why = f"could not write summary.json: {exc.strerror or exc}; what the run measured was not saved"
+        with contextlib.suppress(OSError):
+            lists = {"checks": []} if self.kind == "parity" else {}  # what its schema asks of a failed parity run
+            self.write_json("summary.json", {**self.envelope(STATUS_FAILED), "error": why, "reason": why, **lists})
+            self.ended = STATUS_FAILED
+
     def envelope(self, status: str) -> dict:
         """The keys every summary.json has, whatever its kind."""
         return {"kind": self.kind, "run_id": self.run_id, "run_path": str(self.path.absolute()), "status": status,
@@ -375,7 +389,11 @@ class RunDir:
                 was = f"; it would have ended {status!r}" + (f" ({summary['error']})" if summary.get("error") else "")
                 status, summary = STATUS_INTERRUPTED, {**summary, "error": f"interrupted ({signals.describe()}){was}"}
             document = {**self.envelope(status), **summary}
-            self.write_json("summary.json", document)
+            try:
+                self.write_json("summary.json", document)
+            except OSError as exc:  # a full disk: the few bytes that say so may still fit, never "running"
+                self._write_unsaved(exc)
+                raise
             self.ended = status
             signals.commit()
         if status == STATUS_INTERRUPTED:

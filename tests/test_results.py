@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -70,3 +71,72 @@ def test_a_run_id_taken_in_the_same_microsecond_is_drawn_again(tmp_path, monkeyp
     first = results.RunDir.create("demo", root=tmp_path)
     second = results.RunDir.create("demo", root=tmp_path)
     assert (first.run_id, second.run_id) == ("20261126-101010-000011", "20261126-101010-000012")
+
+
+def _disk_fills_after(monkeypatch, limit: int) -> None:
+    """Every results file write fails with ENOSPC once `limit` bytes of it are written (a full disk)."""
+    import errno
+
+    real_dump = json.dump
+
+    def dump(obj, f, **kw):
+        text = json.dumps(obj, **kw)
+        if len(text) > limit:
+            f.write(text[:limit])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_dump(obj, f, **kw)
+    monkeypatch.setattr(results.json, "dump", dump)
+
+
+def test_a_full_disk_leaves_no_temporary_file_and_a_summary_that_says_failed(tmp_path, monkeypatch):
+    """Issue 32: on a full disk verify-parity left a 299 KB .summary.json.<pid>.tmp and summary.json at
+    "running". The temporary file is removed, and the short summary that still fits says failed and why."""
+    run = results.RunDir.create("parity", root=tmp_path)
+    run.start()
+    _disk_fills_after(monkeypatch, 2000)
+    with pytest.raises(OSError, match="No space left"):
+        run.finish(results.STATUS_OK, {"checks": [{"name": "x" * 5000}]})
+    assert [p.name for p in run.path.iterdir()] == ["summary.json"]  # no .tmp
+    monkeypatch.undo()
+    saved = results.read_back(run.path / "summary.json")
+    assert saved["status"] == "failed" and "could not write summary.json: No space left on device" in saved["error"]
+
+
+def test_a_file_that_does_not_fit_is_removed_whole(tmp_path, monkeypatch):
+    _disk_fills_after(monkeypatch, 10)
+    with pytest.raises(OSError):
+        results.write_json_atomic(tmp_path / "env.json", {"a": "b" * 100})
+    import errno
+
+    def no_room(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(results.os, "fsync", no_room)  # the data reaches the disk only at fsync
+    with pytest.raises(OSError):
+        results.write_text_atomic(tmp_path / "REPORT.md", "x" * 100)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A real 64 KiB tmpfs (root on Linux only; skipped elsewhere)."""
+    import subprocess
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root on Linux")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_run_on_a_really_full_disk_fails_cleanly(full_disk):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "moebench", "run", "fastmoe", "--steps", "3", "--results-dir",
+                           str(full_disk / "r")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "No space left on device" in proc.stderr, proc.stderr
+    (run,) = (full_disk / "r" / "fastmoe").iterdir()
+    assert not [p.name for p in run.iterdir() if p.name.startswith(".")]  # no temporary file left
+    assert results.read_json(run / "summary.json")["status"] == "failed"

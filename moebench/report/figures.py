@@ -30,9 +30,14 @@ def save_figure(fig, path: Path) -> Path:
     plt = pyplot()
     fig.tight_layout()
     tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    tmp.replace(path)  # atomic: a reader never sees half a PNG
+    try:
+        fig.savefig(tmp, dpi=100)
+        tmp.replace(path)  # atomic: a reader never sees half a PNG
+    except BaseException:  # a full disk: no half PNG left behind filling it
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(fig)
     return path
 
 
