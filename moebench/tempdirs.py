@@ -31,6 +31,22 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def remove_owned_by(pids) -> list[Path]:
+    """Remove the folders these processes made (the launcher, once its ranks have ended or been killed:
+    an interrupted rank cannot clean up after itself); returns what was removed."""
+    owners = {str(pid) for pid in pids}
+    removed = []
+    try:
+        entries = list(root().iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        if entry.name.split("-", 1)[0] in owners:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
 def sweep() -> list[Path]:
     """Remove the folders whose owning process is gone; returns what was removed."""
     removed = []

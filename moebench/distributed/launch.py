@@ -259,6 +259,8 @@ def _launch_local(fn, args, world_size, backend, timeout_s, label, env, method) 
         raise
     finally:
         _kill_all(procs)
+        # what the ranks made under moebench-tmp (a resume row's checkpoint) goes with them, whatever their end
+        tempdirs.remove_owned_by(p.pid for p in procs if p.pid is not None)
         stack.close()
     returns: list[Any] = [None] * world_size
     errors: dict[int, str] = {}

@@ -138,3 +138,54 @@ def test_an_impl_that_exits_raises_or_hangs_at_import_is_one_line(tmp_path, monk
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert result.exit_code == 2 and len(lines) == 1 and "--impl" in lines[0] and words in lines[0], result.output
     assert not (tmp_path / "r").exists()
+
+
+def _checkpoint_and_hang(ctx, marker):
+    """A rank that writes a checkpoint folder under moebench-tmp (as a resume row does), then never ends."""
+    folder = tempdirs.make("resume-ckpt")
+    (folder / "state.pt").write_bytes(b"x" * 4096)
+    Path(f"{marker}.{ctx.rank}").write_text(str(folder))
+    time.sleep(600)
+
+
+def test_a_killed_ranks_checkpoint_folders_go_with_it(tmp_path, monkeypatch, no_leftover_children):
+    """Issue 32: an interrupted resume row left its DeepSpeed checkpoint folder in <tmp>/moebench-tmp until the
+    next command. The launcher removes what its ranks made once they have ended, however they ended."""
+    monkeypatch.setattr(tempdirs.tempfile, "gettempdir", lambda: str(tmp_path))
+    marker = tmp_path / "made"
+    result = launch(_checkpoint_and_hang, 2, args=(str(marker),), timeout_s=4)
+    assert result.status == "hung"
+    made = [Path(Path(f"{marker}.{rank}").read_text()) for rank in (0, 1)]
+    assert all(p.parent == tmp_path / "moebench-tmp" for p in made)
+    assert not any(p.exists() for p in made) and list((tmp_path / "moebench-tmp").iterdir()) == []
+
+
+INTERRUPTED_LAUNCH = """
+import sys
+sys.path.insert(0, {tests!r})
+from faults.test_processes import _checkpoint_and_hang
+from moebench import signals
+from moebench.distributed.launch import launch
+signals.install()
+launch(_checkpoint_and_hang, 2, args=({marker!r},), timeout_s=120)
+"""
+
+
+def test_ctrl_c_during_a_ranks_checkpoint_removes_it(tmp_path):
+    marker = tmp_path / "made"
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    code = INTERRUPTED_LAUNCH.format(tests=str(Path(__file__).parents[1]), marker=str(marker))
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not all(Path(f"{marker}.{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        made = [Path(Path(f"{marker}.{rank}").read_text()) for rank in (0, 1)]
+        assert all(p.exists() for p in made)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert not any(p.exists() for p in made), [str(p) for p in made]
