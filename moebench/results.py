@@ -65,16 +65,69 @@ def check_root(root: str | os.PathLike | None, kind: str) -> Path:
 
     if root is not None and str(root) == "":
         raise UserError("is empty; pass a folder (or leave it out for ./results)", flag="--results-dir")
-    target = results_root(root).absolute() / kind
-    folder = target
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
+    base = results_root(root).absolute()
+    target = base / kind
+    try:
+        base.resolve()
+    except (OSError, RuntimeError):  # RuntimeError before Python 3.13
+        raise UserError(f"{base} cannot be resolved (a link loop); pass a folder", flag="--results-dir") from None
+    folder = nearest_existing(target)
     if not folder.is_dir():
         raise UserError(f"{folder} exists and is not a folder; pass a folder", flag="--results-dir")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise UserError(f"cannot create {target}: {folder} is not writable; pass a writable folder",
-                        flag="--results-dir")
+    run = run_folder_around(base)
+    if run is not None:
+        raise UserError(f"{base} is {'' if run == base.resolve() else 'inside '}the run folder {run}; pass the "
+                        "results folder that holds <kind>/<run-id> folders (default ./results)", flag="--results-dir")
+    if base.is_dir() and any(run_folder_around(child) == child.resolve() for child in _subfolders(base)):
+        raise UserError(f"{base} is a folder of runs of one kind, not a results folder; pass the folder above it "
+                        f"({base.parent})", flag="--results-dir")
+    why = cannot_write_in(folder)
+    if why is not None:
+        raise UserError(f"cannot create {target}: {why}; pass a writable folder", flag="--results-dir")
     return target
+
+
+def nearest_existing(path: Path) -> Path:
+    """`path`, or its nearest parent that exists (a link counts, even one that leads nowhere)."""
+    while not os.path.lexists(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def run_folder_around(path: Path) -> Path | None:
+    """The run folder (a folder with a summary.json) that `path` is, or is inside; None when neither. Links are
+    followed: a link to a run folder is that run folder."""
+    try:
+        resolved = path.resolve()
+    except (OSError, RuntimeError):  # a link loop: no run folder can be found through it
+        return None
+    for folder in (resolved, *resolved.parents):
+        try:
+            if (folder / "summary.json").is_file():
+                return folder
+        except OSError:
+            return None
+    return None
+
+
+def _subfolders(folder: Path) -> list[Path]:
+    try:
+        return [p for p in folder.iterdir() if p.is_dir()][:64]  # a results folder's kinds are few
+    except OSError:
+        return []
+
+
+def cannot_write_in(folder: Path) -> str | None:
+    """Why nothing can be created in `folder` (None: something can): tried, not guessed from permission bits,
+    which say "writable" for root in /proc or on a read-only mount."""
+    import tempfile
+
+    try:
+        probe = tempfile.mkdtemp(prefix=".moebench-probe-", dir=folder)
+    except OSError as exc:
+        return f"{folder} is not writable ({exc.strerror or exc})"
+    os.rmdir(probe)
+    return None
 
 
 def new_run_id(name: str = "") -> str:

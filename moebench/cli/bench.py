@@ -182,6 +182,9 @@ def bench(
     else:  # memory and work before the results folder exists
         resources.require_bench_fits(points, layers=len(names), ep_layers=len(ep_names), world_sizes=worlds,
                                      calls=spec.repeats + spec.warmup, force=force, given=given)
+    from moebench.results import check_root
+
+    check_root(results_dir, "bench")  # the folder it will write, before the first measurement
     summary = core.run_bench(spec, results_dir, name="train" if train else ("quick" if quick else "sweep"),
                              log=None if as_json else (lambda m: typer.echo(m, err=True)))
     if as_json:

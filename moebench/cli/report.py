@@ -49,6 +49,9 @@ def report(
 
     if results_dir is not None and not results_dir.strip():
         raise UserError("is empty; pass a folder (or leave it out for ./results)", flag="--results-dir")
+    from moebench.results import check_root
+
+    check_root(results_dir, "report")  # the folder it will write (and read): a run folder is no results folder
     outcome = build_report(list(runs or []), root=results_dir, since=since)
     if as_json:
         typer.echo(json.dumps({"report_path": str(outcome.path), "counts": outcome.counts,

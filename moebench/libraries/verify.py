@@ -159,22 +159,33 @@ def _try_row(adapter: Adapter, row, timeout_s: float, writer) -> None:
 
 def check_repro_dir(path: str, results_dir: str | None = None) -> None:
     """--repro must be a folder that is new or empty, writable, and not inside the results folder (other runs')."""
-    from moebench.results import results_root
+    from moebench.results import cannot_write_in, nearest_existing, results_root, run_folder_around
 
     folder = Path(path).expanduser().absolute()
-    root = results_root(results_dir).expanduser().absolute()
-    if folder == root or root in folder.parents:
+    try:
+        real, root = folder.resolve(), results_root(results_dir).expanduser().resolve()
+    except (OSError, RuntimeError):  # a link loop
+        raise UserError(f"{path} cannot be resolved (a link loop?); give a new or empty folder", flag="--repro") \
+            from None
+    if real == root or root in real.parents:
         raise UserError(f"{path} is inside the results folder {root}; give a folder of its own, e.g. "
                         "--repro ./repro", flag="--repro")
-    if folder.exists():
+    run = run_folder_around(folder)
+    if run is not None:
+        raise UserError(f"{path} is inside the run folder {run}; give a folder of its own, e.g. --repro ./repro",
+                        flag="--repro")
+    existing = nearest_existing(folder)
+    if existing == folder:
         if not folder.is_dir():
             raise UserError(f"{path} exists and is not a folder; give a new or empty folder", flag="--repro")
         if any(folder.iterdir()):
             raise UserError(f"{path} is not empty; give a new or empty folder (scripts of an earlier run are "
                             "never overwritten)", flag="--repro")
-    parent = next((p for p in (folder, *folder.parents) if p.exists()), None)
-    if parent is None or not os.access(parent, os.W_OK | os.X_OK):
-        raise UserError(f"{path} cannot be created: {parent} is not writable", flag="--repro")
+    elif not existing.is_dir():
+        raise UserError(f"{path} cannot be created: {existing} is a file, not a folder", flag="--repro")
+    why = cannot_write_in(existing)
+    if why is not None:
+        raise UserError(f"{path} cannot be created: {why}", flag="--repro")
 
 
 def rerun_command(prepared: Prepared, record: dict[str, Any], config) -> str:

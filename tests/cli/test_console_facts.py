@@ -57,7 +57,8 @@ def test_makefile_run_all_comment_names_the_presets_it_runs():
         assert runs == said.group(1), f"run-all runs {variant.name} with {runs}, its comment says {said.group(1)}"
 
 
-LAUNCHED = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
+LAUNCHED = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29500"}
 
 
 @pytest.mark.parametrize("command", [["run", "fastmoe"], ["run", "deepspeed"],
