@@ -56,3 +56,13 @@ def _results_match_their_schemas(request, tmp_path):
 
     if tmp_path.is_dir() and results_files(tmp_path):
         validate_tree(tmp_path)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests tests/tiers.py moved to the slow tier get the `slow` mark (with its reason)."""
+    from tiers import MOVED_TO_SLOW
+
+    for item in items:
+        for prefix, reason in MOVED_TO_SLOW.items():
+            if item.nodeid.startswith(prefix):
+                item.add_marker(pytest.mark.slow(reason=reason))

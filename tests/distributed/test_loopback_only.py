@@ -71,3 +71,50 @@ def test_a_local_run_listens_on_loopback_only(tmp_path, run):
     assert seen, "no listening socket seen in the run's process tree"
     exposed = sorted(s for s in seen if not ipaddress.ip_address(s[0]).is_loopback)
     assert not exposed, f"listening beyond loopback (address, port, pid): {exposed}"
+
+
+def _sockets_of_the_launch(ctx):
+    """Rank 0 looks at every listening socket of the launch (the launcher and its ranks) while all are alive."""
+    import torch.distributed as dist
+
+    dist.barrier()  # every rank is in the group: the store and every gloo pair exist now
+    found = None
+    if ctx.rank == 0:
+        parent = psutil.Process(os.getppid())
+        found = sorted(_listening([parent, *parent.children(recursive=True)]))
+    dist.barrier()
+    return found
+
+
+def test_the_launchers_sockets_are_on_loopback(monkeypatch):
+    """moebench's own launch of 2 ranks (the rendezvous store and gloo's pairs), even with GLOO_SOCKET_IFNAME on a
+    LAN interface: every listening socket is on loopback (the whole runs above are the slow tier's)."""
+    from moebench.distributed.launch import launch
+
+    lan = _lan_interface()
+    if lan:
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", lan)
+    result = launch(_sockets_of_the_launch, 2, timeout_s=60)
+    assert result.status == "ok", result.describe()
+    seen = result.returns[0]
+    assert seen, "no listening socket seen: we looked wrong"
+    exposed = [s for s in seen if not ipaddress.ip_address(s[0]).is_loopback]
+    assert not exposed, f"listening beyond loopback (address, port, pid): {exposed}"
+
+
+def test_the_socket_check_sees_a_store_on_every_interface(monkeypatch):
+    """The check above can fail: a store opened the plain way (TCPStore binds `::` whatever host it is given) is
+    seen listening beyond loopback."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from moebench.distributed import launch as launch_module
+
+    def plain_store(timeout: datetime.timedelta):
+        return dist.TCPStore("127.0.0.1", 0, None, True, timeout, wait_for_workers=False)
+
+    monkeypatch.setattr(launch_module, "_loopback_store", plain_store)
+    result = launch_module.launch(_sockets_of_the_launch, 2, timeout_s=60)
+    assert result.status == "ok", result.describe()
+    assert [s for s in result.returns[0] if not ipaddress.ip_address(s[0]).is_loopback]
