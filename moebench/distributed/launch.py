@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import dataclasses
 import datetime
 import faulthandler
@@ -51,6 +50,7 @@ import torch.distributed as dist
 
 from moebench import signals, tempdirs
 from moebench.errors import RendezvousFailed, UserError
+from moebench.orphans import die_with_parent
 from moebench.rankenv import debug, local_world_size, rank_threads
 from moebench.rankenv import is_launched_rank as under_torchrun
 from moebench.signals import sigterm_as_interrupt  # noqa: F401 - the run driver and parity use it from here
@@ -66,7 +66,6 @@ PG_TIMEOUT_FRACTION = 0.75
 # listen() backlog of the rendezvous socket: every local rank (at most 64) may connect at once.
 LISTEN_BACKLOG = 128
 
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -429,15 +428,6 @@ def _read_payload(workdir: Path, rank: int) -> dict | None:
     if not path.exists():
         return None
     return pickle.loads(path.read_bytes())
-
-
-def die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this process when its parent dies (Linux only)."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        except OSError:
-            pass
 
 
 def _dump_and_kill(procs: list) -> None:

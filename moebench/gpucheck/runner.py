@@ -11,7 +11,6 @@ run keeps what it measured.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import datetime
 import json
 import os
@@ -26,6 +25,7 @@ from typing import Callable
 from moebench import results, signals
 from moebench.gpucheck import judge, steps
 from moebench.gpucheck.preflight import Gpus
+from moebench.orphans import die_with_parent
 from moebench.version import __version__
 
 SCHEMA = "moebench.gpu-check/1"
@@ -34,12 +34,6 @@ KILL_GRACE_S = 5.0
 """After SIGTERM at a deadline, the step's group gets this long to end before SIGKILL."""
 POLL_S = 0.2
 PASS, FAIL, SKIP, TIMEOUT = "pass", "fail", "skip", "timeout"
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _kill_group(proc: subprocess.Popen, sig: int) -> None:
@@ -52,7 +46,7 @@ def run_command(argv: list[str], *, env: dict, timeout_s: float, out: Path, err:
     with open(out, "wb") as stdout, open(err, "wb") as stderr:
         proc = subprocess.Popen(argv, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, env=env,
                                 start_new_session=True,
-                                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+                                preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
     deadline = time.monotonic() + timeout_s
     try:
         while proc.poll() is None:

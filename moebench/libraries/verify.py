@@ -132,8 +132,8 @@ def _try_row(adapter: Adapter, row, timeout_s: float, writer) -> None:
     import os
     import re
 
-    from moebench.distributed.launch import die_with_parent
     from moebench.libraries.matrix import registered
+    from moebench.orphans import die_with_parent
     from moebench.parity.runner import ParityConfig, run_checks
 
     die_with_parent()  # a killed command leaves no trial row behind
