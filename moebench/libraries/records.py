@@ -36,7 +36,8 @@ def _fit(rows: list[list[str]], header: list[str], width: int = WIDTH) -> tuple[
     """Column widths and the gap: two spaces when everything fits, else one; past that the widest columns are
     narrowed until the line fits `width` (their cells then wrap onto more lines: nothing is ever cut)."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    floor = [max(len(h), 4) for h in header]
+    # names, versions and numbers are never broken; labels made of parts (model, backend, features) wrap at them
+    floor = [w if h in WHOLE else max(len(h), 4) for h, w in zip(header, widths)]
     gap = "  " if sum(widths) + 2 * (len(widths) - 1) <= width else " "
     while sum(widths) + len(gap) * (len(widths) - 1) > width:
         i = max(range(len(widths)), key=lambda k: widths[k] - floor[k])
@@ -65,6 +66,8 @@ def _lines(cells: list[str], widths: list[int], gap: str = "  ") -> list[str]:
             for k in range(height)]
 
 
+WHOLE = ("library", "version", "world", "verdict", "time")
+"""Columns whose cells are never wrapped: a library name or a version broken over two lines reads as two."""
 FEATURES_COLUMN = ("features", "features")
 """Shown (after EP mode) when some row has features: what tells rows with the same model/backend/EP apart."""
 VERDICT_WIDTH = len("refused")

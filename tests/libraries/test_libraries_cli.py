@@ -153,11 +153,15 @@ def test_resume_rows_say_where_they_were_loaded_under_the_row():
                          "check": "deepspeed/resume+elastic+dbe/zero2/ep=2/w4/resume"}])
     _fits(text)
     lines = text.splitlines()
-    assert lines[3] == "    resume: loaded at the same layout"
-    assert lines[5] == "    resume-to-all_reduce: loaded under all_reduce at ep_size 2"
-    assert lines[7].startswith("deepspeed ") and "~" in lines[7]  # cut at 80 columns
-    assert lines[8] == "    resume+elastic+data-before-expert: loaded at the same layout"
-    assert len(lines) == 9  # the plain row has no line under it
+    assert lines[4] == "    resume: loaded at the same layout"
+    assert lines[7] == "    resume-to-all_reduce: loaded under all_reduce at ep_size 2"
+    assert lines[15] == "    resume+elastic+data-before-expert: loaded at the same layout"
+    assert [line.split()[0] for line in lines if line.startswith(("transformers ", "deepspeed "))] == [
+        "transformers"] * 3 + ["deepspeed"]  # a library's name is never broken
+    # the features column wraps at its "+" and "-", never cuts (issue 32: "resume+no-op~" at 80 columns)
+    start = lines[0].index("features")
+    cells = [line[start:start + 10].strip() for line in lines[10:15]]
+    assert "".join(cells) == "resume+elastic+data-before-expert" and "~" not in text
 
 
 def test_resume_without_library_is_one_line_exit_2():
