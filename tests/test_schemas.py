@@ -14,6 +14,7 @@ import pytest
 from moebench import results
 from moebench.schemas import (
     SCHEMA_FILES,
+    results_files,
     schema_for,
     validate_document,
     validate_file,
@@ -36,9 +37,11 @@ def _moebench(root: Path, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def cli_results(tmp_path_factory) -> Path:
-    """One fastmoe run (--steps 2) and one DeepSpeed quick run (--epochs 1), through the real CLI."""
+    """One fastmoe run (--steps 2), one DeepSpeed quick run (--epochs 1), two parity checks and an env-check,
+    through the real CLI."""
     root = tmp_path_factory.mktemp("schema-results")
-    for args in (["run", "fastmoe", "--steps", "2"], ["run", "deepspeed", "--preset", "quick", "--epochs", "1"]):
+    for args in (["run", "fastmoe", "--steps", "2"], ["run", "deepspeed", "--preset", "quick", "--epochs", "1"],
+                 ["verify-parity", "-n", "2", "--checks", "ddp-sgd,experts"], ["env-check", "--no-probe"]):
         done = _moebench(root, *args)
         assert done.returncode == 0, f"moebench {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
     return root
@@ -76,7 +79,12 @@ def test_real_cli_runs_validate(cli_results, kind):
 
 
 def test_validate_tree_counts_every_file(cli_results):
-    assert validate_tree(cli_results) == 10
+    # each training run: config, summary, params, env, metrics; the parity run: config, summary; env-check: its own
+    per_kind = {"fastmoe": 5, "deepspeed": 5, "parity": 2}
+    found = {kind: sum(1 for _ in (cli_results / kind).rglob("*.json*")) for kind in per_kind}
+    assert found == per_kind
+    env_check = len(results_files(cli_results / "env"))
+    assert validate_tree(cli_results) == len(results_files(cli_results)) == 12 + env_check
     assert validate_tree(cli_results / "no-such-folder") == 0
 
 
@@ -175,3 +183,80 @@ def test_the_autouse_check_catches_an_invalid_file_a_test_leaves(pytester):
     outcome = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     outcome.assert_outcomes(passed=2, errors=1)
     outcome.stdout.fnmatch_lines(["*ERROR at teardown of test_junk*", "*params.json*required property*"])
+
+
+def _shortened(node, keep: int = 2):
+    """A document with every list cut to its first `keep` items (mutants of a small document validate fast)."""
+    if isinstance(node, dict):
+        return {k: _shortened(v, keep) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_shortened(v, keep) for v in node[:keep]]
+    return node
+
+
+WRONG = (None, "x", -1, 2**70, 1.5, [], {}, True)
+"""What a damaged value can be: each type JSON has (and an integer past 64 bits)."""
+
+
+def _mutants(node, depth: int = 0):
+    """Documents that differ from `node` in one place: a key dropped, a value of another type, a list item
+    of another type."""
+    if depth > 6:
+        return
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield {k: v for k, v in node.items() if k != key}
+            for wrong in WRONG:
+                if type(wrong) is not type(value):
+                    yield {**node, key: wrong}
+            for inner in _mutants(value, depth + 1):
+                yield {**node, key: inner}
+    elif isinstance(node, list) and node:
+        for wrong in WRONG[:3]:
+            yield [wrong, *node[1:]]
+        for inner in _mutants(node[0], depth + 1):
+            yield [inner, *node[1:]]
+
+
+def test_the_fast_validator_gives_jsonschemas_verdicts(cli_results):
+    """jsonschema-rs (when installed) decides alone that a document is valid: on every results file of real
+    runs, and every mutant of them with one value dropped or of another type, it must say what jsonschema
+    says (which stays the authority for why a document is invalid)."""
+    import jsonschema_rs  # noqa: F401 - installed by `make install` (the fast extra)
+
+    from moebench.schemas import _fast_validator, _rust_validator
+
+    documents = []
+    for path in sorted(results_files(cli_results)):
+        texts = path.read_text().splitlines()[:3] if path.name == "metrics.jsonl" else [path.read_text()]
+        for text in texts:
+            document = _shortened(json.loads(text))
+            documents += [(SCHEMA_FILES[path.name], m) for m in [document, *_mutants(document)]]
+    found = _disagreements(_rust_validator, _fast_validator, documents)
+    print(f"fast validator: {len(documents)} documents, {len(found)} disagreements")
+    assert len(documents) > 2000 and not found, f"{len(found)} of {len(documents)}: {found[:5]}"
+
+
+def _disagreements(fast_of, slow_of, documents) -> list[str]:
+    """The documents on which the two validators' verdicts differ (one the fast one cannot represent is asked
+    of jsonschema alone, as moebench does)."""
+    found = []
+    for schema_file, document in documents:
+        try:
+            quick = fast_of(schema_file).is_valid(document)
+        except (ValueError, OverflowError):
+            continue
+        if quick != slow_of(schema_file).is_valid(document):
+            found.append(f"{schema_file}: fast says {quick}: {json.dumps(document)[:200]}")
+    return found
+
+
+def test_the_agreement_check_sees_a_fast_validator_that_accepts_too_much():
+    from moebench.schemas import _fast_validator
+
+    class Lenient:
+        def is_valid(self, document):
+            return True
+
+    documents = [("summary.schema.json", {"status": "ok"}), ("params.schema.json", {"total": "x"})]
+    assert len(_disagreements(lambda _: Lenient(), _fast_validator, documents)) == 2
