@@ -60,8 +60,9 @@ MOVED_TO_SLOW: dict[str, str] = {
     "tests/parity/test_impl_named.py::test_the_console_json_and_report_name_the_user_implementation":
         "console, JSON and report at once; by default test_a_run_on_moebench_code_says_so and the --impl tests",
     # library rows many times over
-    "tests/libraries/test_repro.py::test_deepspeed_script_reproduces_the_fault_and_passes_unbroken[unbroken":
-        "the unbroken script; by default the fault's script and the same-figures test",
+    "tests/libraries/test_repro.py::test_deepspeed_script_reproduces_the_fault_and_passes_unbroken":
+        "an engine script with a fault injected, and unbroken; by default the engine script of the pinned "
+        "release's finding, run standalone (test_the_tool_and_its_script_print_the_same_figures)",
     "tests/libraries/test_repro.py::test_transformers_script_reproduces_the_fault_and_passes_unbroken":
         "the transformers script's harness is DeepSpeed's; by default it is checked standalone "
         "(test_adapter_contract.py)",

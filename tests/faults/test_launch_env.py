@@ -80,7 +80,7 @@ def test_a_rendezvous_nobody_joins_is_one_line_and_a_failed_run(tmp_path):
     fix (exit 1), and the run folder says failed with the same words."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env.update(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    proc = subprocess.run([sys.executable, "-m", "moebench", "verify-parity", "--checks", "ddp-sgd", "--timeout", "4",
+    proc = subprocess.run([sys.executable, "-m", "moebench", "verify-parity", "--checks", "ddp-sgd", "--timeout", "2",
                            "--results-dir", str(tmp_path)], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 1, proc.stderr
     lines = proc.stderr.strip().splitlines()

@@ -153,7 +153,7 @@ def test_a_killed_ranks_checkpoint_folders_go_with_it(tmp_path, monkeypatch, no_
     next command. The launcher removes what its ranks made once they have ended, however they ended."""
     monkeypatch.setattr(tempdirs.tempfile, "gettempdir", lambda: str(tmp_path))
     marker = tmp_path / "made"
-    result = launch(_checkpoint_and_hang, 2, args=(str(marker),), timeout_s=4)
+    result = launch(_checkpoint_and_hang, 2, args=(str(marker),), timeout_s=2)
     assert result.status == "hung"
     made = [Path(Path(f"{marker}.{rank}").read_text()) for rank in (0, 1)]
     assert all(p.parent == tmp_path / "moebench-tmp" for p in made)
