@@ -35,28 +35,23 @@ def remove_owned_by(pids) -> list[Path]:
     """Remove the folders these processes made (the launcher, once its ranks have ended or been killed:
     an interrupted rank cannot clean up after itself); returns what was removed."""
     owners = {str(pid) for pid in pids}
-    removed = []
-    try:
-        entries = list(root().iterdir())
-    except OSError:
-        return removed
-    for entry in entries:
-        if entry.name.split("-", 1)[0] in owners:
-            shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
-    return removed
+    return _remove_where(lambda owner: owner in owners)
 
 
 def sweep() -> list[Path]:
     """Remove the folders whose owning process is gone; returns what was removed."""
+    return _remove_where(lambda owner: owner.isdigit() and not _alive(int(owner)))
+
+
+def _remove_where(owned) -> list[Path]:
+    """Remove the folders under root() whose owner (the pid their name starts with) `owned` accepts."""
     removed = []
     try:
         entries = list(root().iterdir())
     except OSError:
         return removed
     for entry in entries:
-        owner = entry.name.split("-", 1)[0]
-        if owner.isdigit() and not _alive(int(owner)):
+        if owned(entry.name.split("-", 1)[0]):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     return removed

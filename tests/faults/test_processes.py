@@ -189,3 +189,14 @@ def test_ctrl_c_during_a_ranks_checkpoint_removes_it(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0
     assert not any(p.exists() for p in made), [str(p) for p in made]
+
+
+def test_the_sweep_removes_what_dead_processes_left_and_nothing_of_the_living(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempdirs.tempfile, "gettempdir", lambda: str(tmp_path))
+    mine = tempdirs.make("alive")
+    dead_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout.strip()
+    dead = tempdirs.root() / f"{dead_pid}-ds-resume-x"
+    dead.mkdir()
+    assert tempdirs.sweep() == [dead] and mine.exists() and not dead.exists()
+    assert tempdirs.remove_owned_by([os.getpid()]) == [mine] and not mine.exists()
