@@ -14,6 +14,8 @@ import types
 import torch
 from torch import nn
 
+from moebench.parity.noisemath import common_factor, scaled_groups  # @PASTED@ (the script has it above)
+
 D_MODEL = 8
 D_HIDDEN = 16
 EXPERTS_PER_RANK = 1
@@ -40,6 +42,13 @@ def moe_fields(settings, ep_size: int) -> types.SimpleNamespace:
                                  drop_tokens=settings.drop_tokens, use_rts=False, use_residual=settings.use_residual)
 
 
+HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""A half-precision row's compute dtype, by its precision."""
+FP16_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
+             "min_loss_scale")
+"""The keys of DeepSpeed's fp16 section a row sets (each a field of the row's settings, of the same name)."""
+
+
 def engine_config(settings, world: int) -> dict:
     """The DeepSpeed config a row's engine is initialised with."""
     config = {
@@ -50,13 +59,25 @@ def engine_config(settings, world: int) -> dict:
     }
     if settings.precision == "bf16":
         config["bf16"] = {"enabled": True}
+    if settings.precision == "fp16":
+        config["fp16"] = {"enabled": True, **{k: getattr(settings, k) for k in FP16_KEYS}}
     return config
 
 
-def batch(seed: int, stage: int, step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank `rank`'s slice of the global batch of optimizer step `step`, micro-step `micro`."""
+SPIKE = 1000.0
+"""An outlier target: in an overflow row's spiked batch one target element is -SPIKE, so the loss's gradient at the
+output is ~30 (2 x 1000 / 64 elements) and x the loss scale 2^16 it overflows fp16 (max 65504) by ~30x, while the
+other steps' scaled gradients stay 4-8x below it (measured: they overflow from 2^19 on)."""
+
+
+def batch(seed: int, stage: int, step: int, micro: int, rank: int, settings=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s slice of the global batch of optimizer step `step`, micro-step `micro` (an overflow row's
+    spiked step: rank 0's first micro-batch carries the SPIKE target)."""
     g = torch.Generator().manual_seed(seed * 100_003 + 10_000 * stage + 100 * step + 10 * micro + rank)
-    return torch.randn(*MICRO, D_MODEL, generator=g), torch.randn(*MICRO, D_MODEL, generator=g)
+    x, y = torch.randn(*MICRO, D_MODEL, generator=g), torch.randn(*MICRO, D_MODEL, generator=g)
+    if settings is not None and step + 1 == getattr(settings, "overflow_step", 0) and rank == micro == 0:
+        y[0, 0, 0] = -SPIKE
+    return x, y
 
 
 def loss_of(model, x, y, multiplier: float = 1.0):
@@ -87,15 +108,22 @@ class RefStep:
     """Routes dropped at capacity over every slice and micro-step."""
     routes: int
     """Routes requested over every slice and micro-step."""
+    overflow: bool = False
+    """A gradient of the scaled loss was not finite (a half-precision `compute` model's only)."""
+    skipped: bool = False
+    """No update was applied: the step overflowed (loss scaling skips it by design)."""
 
 
 def reference_step(ref: nn.Module, s, world: int, seed: int, step: int, *,
-                   compute: nn.Module | None = None) -> RefStep:
+                   compute: nn.Module | None = None, loss_scale: float = 1.0, skip: bool = False) -> RefStep:
     """One step of the reference on this process: every slice of every micro-step through the
     ep_size = 1 model, the gradient averaged as DeepSpeed's data parallelism defines it, clipped by the
     global norm, SGD applied to `ref` in place. `compute`: a low-precision copy that computes the
     gradients from `ref`'s weights (copied into it first, inputs cast to its dtype) while `ref` keeps the
-    float32 master weights (mixed precision on one process: the bf16 noise model's baseline)."""
+    float32 master weights (mixed precision on one process: the half-precision noise model's baseline); with
+    `loss_scale` it backpropagates the loss x loss_scale / grad_accum (as DeepSpeed's fp16 does) and divides the
+    gradients back in float64, and a gradient that is not finite in `compute`'s dtype is an overflow: the step is
+    then skipped. `skip`: apply no update (the mixed-precision run skipped this step on overflow)."""
     params = dict(ref.named_parameters())
     model, dtype = ref, torch.float32
     if compute is not None:
@@ -105,15 +133,18 @@ def reference_step(ref: nn.Module, s, world: int, seed: int, step: int, *,
                 p.copy_(params[n])
     used = dict(model.named_parameters())
     per_slice: list[list[dict[str, torch.Tensor]]] = [[] for _ in range(world)]
-    losses, slice_losses, dropped, routes = [], [], 0, 0
+    losses, slice_losses, dropped, routes, overflow = [], [], 0, 0, False
     for m in range(s.grad_accum):
         total = 0.0
         slice_losses.append([])
         for r in range(world):
-            x, y = batch(seed, s.zero_stage, step, m, r)
+            x, y = batch(seed, s.zero_stage, step, m, r, s)
             loss = loss_of(model, x.to(dtype), y, s.loss_multiplier)
-            grads = torch.autograd.grad(loss, list(used.values()), allow_unused=True)
-            per_slice[r].append({n: (g.double() if g is not None else torch.zeros_like(p, dtype=torch.float64))
+            scale = loss_scale / s.grad_accum if compute is not None else 1.0
+            grads = torch.autograd.grad(loss * scale if scale != 1.0 else loss, list(used.values()),
+                                        allow_unused=True)
+            overflow = overflow or any(g is not None and not bool(torch.isfinite(g).all()) for g in grads)
+            per_slice[r].append({n: (g.double() / scale if g is not None else torch.zeros_like(p, dtype=torch.float64))
                                  for (n, p), g in zip(used.items(), grads)})
             total += float(loss.detach())
             slice_losses[-1].append(float(loss.detach()))
@@ -123,13 +154,48 @@ def reference_step(ref: nn.Module, s, world: int, seed: int, step: int, *,
     grad = {n: sum(per_slice[r][m][n] for r in range(world) for m in range(s.grad_accum)) / (world * s.grad_accum)
             for n in params}
     norm = math.sqrt(sum(float((g * g).sum()) for g in grad.values()))
-    coef = min(1.0, s.clip / (norm + 1e-6)) if s.clip > 0 else 1.0
-    update = {n: -LR * coef * g for n, g in grad.items()}
+    coef = min(1.0, s.clip / (norm + 1e-6)) if s.clip > 0 and math.isfinite(norm) else 1.0
+    skipped = skip or overflow
+    update = {n: (torch.zeros_like(g) if skipped else -LR * coef * g) for n, g in grad.items()}
     with torch.no_grad():
         for n, p in params.items():
             p.add_(update[n].to(p.dtype))
     return RefStep(losses=losses, slice_losses=slice_losses, grad=grad, per_slice=per_slice, norm=norm, coef=coef,
-                   update=update, dropped=dropped, routes=routes)
+                   update=update, dropped=dropped, routes=routes, overflow=overflow, skipped=skipped)
+
+
+class LossScaler:
+    """fp16's loss scale over a row's steps, as DeepSpeed's fp16 section defines it (the reference's, never read
+    from the engine). `loss_scale` > 0: that scale, always. 0: dynamic, starting at 2^initial_scale_power; a step
+    whose scaled gradients overflow is skipped; an overflow spends one of `hysteresis` chances and the one that
+    spends the last halves the scale (not below min_loss_scale); `loss_scale_window` steps in a row without
+    overflow double it and refill the chances (consecutive_hysteresis: every step without overflow refills them).
+    bf16 and fp32 rows: 1, never changing."""
+
+    def __init__(self, s) -> None:
+        fp16 = s.precision == "fp16"
+        self.dynamic = fp16 and s.loss_scale == 0
+        self.scale = float(2 ** s.initial_scale_power) if self.dynamic else float(s.loss_scale) if fp16 else 1.0
+        self.window, self.hysteresis = s.loss_scale_window, s.hysteresis
+        self.consecutive, self.min_scale = s.consecutive_hysteresis, float(s.min_loss_scale)
+        self.chances, self.step, self.last_overflow = s.hysteresis, 0, -1
+
+    def update(self, overflow: bool) -> None:
+        """After a step: `overflow` says whether its scaled gradients overflowed."""
+        if self.dynamic and overflow:
+            if self.chances <= 1:
+                self.scale = max(self.scale / 2, self.min_scale)
+            else:
+                self.chances -= 1
+            self.last_overflow = self.step
+        elif self.dynamic:
+            if self.consecutive:
+                self.chances = self.hysteresis
+            stable = self.step - self.last_overflow - 1
+            if stable > 0 and stable % self.window == 0:
+                self.chances = self.hysteresis
+                self.scale *= 2
+        self.step += 1
 
 
 # ------------------------------------------------------------------ reading an update scaled by one factor
@@ -194,3 +260,95 @@ def which_norm(engine: list[float], own: list[float], ref: float) -> str:
         return (f"; the ranks disagree on the global norm ({', '.join(f'{e:.4g}' for e in engine)}): each used a "
                 f"norm of its own, not the one over every parameter ({ref:.4g})")
     return ""
+
+
+# ------------------------------------------------------------------ reading a half-precision step
+GROUPS = ("experts", "gate", "dense")
+"""The parameter groups a half-precision step is read by: the experts, the gate, every other (replicated) one."""
+SINGULAR = {"experts": "expert", "gate": "gate", "dense": "dense"}
+HALF_MATCH_RTOL = 0.02
+"""A half-precision common factor names a mechanism when within 2 % of the factor the mechanism predicts from the
+reference: factors are read to ~0.5 % in bf16 (noisemath.GROUP_FIT_RTOL's noise), the candidates differ by >= 10 %
+in every case seen (1/loss scale, |g| / |g without a group| = 1.1-1.4)."""
+NEVER_APPLIED, APPLIED_TWICE, LEFT_IN = "loss-scale-never-applied", "loss-scale-twice", "loss-scale"
+WITHOUT_GROUP, NORM, EXPERTS_SCALED = "clip-norm-without-group", "global-norm", "expert-grad-scale"
+"""What half_reading names (moebench.parity.diagnosis holds the same names)."""
+
+
+def clip_coef(clip: float, norm: float) -> float:
+    """DeepSpeed's and the reference's clip coefficient at global norm `norm` (1 without clipping)."""
+    return min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
+
+
+def _near(a: float, b: float) -> bool:
+    return abs(a - b) <= HALF_MATCH_RTOL * abs(b)
+
+
+def _common(groups: dict, base: dict) -> tuple[float | None, dict, set]:
+    """(the one factor every group with a reference shares, or None; the scaled groups; the right ones)."""
+    present = {g for g, t in groups.items() if float(t[2]) > 0}
+    scaled, right = scaled_groups({g: groups[g] for g in present}, {g: base[g] for g in present})
+    k = common_factor(scaled) if scaled and set(scaled) == present else None
+    return k, scaled, right
+
+
+def half_reading(*, precision: str, scale: float, clip: float, grad: dict, grad_base: dict, update: dict,
+                 update_base: dict, group_norms: dict) -> dict | None:
+    """The mechanism behind a half-precision step that the noise model fails, from per-group sums (noisemath.sums,
+    keyed by GROUPS) of the reported gradient (divided by the step's loss scale `scale`) and of the applied update,
+    each against the float32 reference, and the same of the one-process run in that precision (`*_base`: the
+    noise). `group_norms`: the reference gradient's norm per group. One common factor is fitted before anything is
+    called noise; None: no mechanism explains it. Else {"phase", "name", "sentence", "factor", ...}."""
+    k, scaled, right = _common(grad, grad_base)
+    ku, _, right_u = _common(update, update_base)
+    trained = bool(update) and right_u == {g for g, t in update.items() if float(t[2]) > 0}
+    if set(scaled) == {"experts"} and right == {g for g, t in grad.items() if float(t[2]) > 0} - {"experts"}:
+        return {"phase": "reduced gradient", "name": EXPERTS_SCALED, "factor": scaled["experts"],
+                "sentence": f"expert gradients scaled by {scaled['experts']:.3g} ({precision}; dense and gate right "
+                            "within the noise)"}
+    if k is not None:
+        said = f"every reported gradient is {k:.4g} x the reference's"
+        if precision == "fp16" and _near(k, 1 / scale):
+            return {"phase": "reduced gradient", "name": NEVER_APPLIED, "factor": k, "update_factor": ku,
+                    "sentence": f"{said} (x loss scale {scale:g}) = 1/{scale:g}: the loss was never multiplied by "
+                                f"the loss scale, yet the step divides by it: every update is 1/{scale:g} of the "
+                                "gradient step" + (f", never clipped (the norm read is 1/{scale:g} of the true one)"
+                                                   if clip > 0 else "")
+                                + (f"; measured: every update x {ku:.4g}" if ku is not None else "")}
+        if precision == "fp16" and _near(k, scale):
+            return {"phase": "reduced gradient", "name": APPLIED_TWICE, "factor": k, "update_factor": ku,
+                    "sentence": f"{said} (x loss scale {scale:g}) = {scale:g}: the loss was multiplied by the "
+                                "loss scale twice"}
+        return {"phase": "reduced gradient", "name": LEFT_IN, "factor": k,
+                "sentence": f"{said} ({precision}): the loss scale (or 1/grad_accum) is not undone, or undone twice"
+                            + ("; the update the optimizer applied to the fp32 masters is right within the noise, "
+                               "so the training is right and only the gradient DeepSpeed reports "
+                               "(safe_get_full_grad) is wrong" if trained else "")}
+    if ku is None:
+        return None
+    full = math.sqrt(sum(n * n for n in group_norms.values()))
+    coef = clip_coef(clip, full)
+    said = f"every update is {ku:.4g} x the reference's"
+    if precision == "fp16" and _near(ku, clip_coef(clip, full / scale) / (scale * coef)):
+        return {"phase": "update", "name": NEVER_APPLIED, "factor": ku,
+                "sentence": f"{said} (loss scale {scale:g}): the loss scale is divided out but was never applied, "
+                            "and clipping never binds"}
+    if precision == "fp16" and not _near(scale, 1.0) and _near(ku, scale * clip_coef(clip, full * scale) / coef):
+        return {"phase": "update", "name": APPLIED_TWICE, "factor": ku,
+                "sentence": f"{said} (loss scale {scale:g}): the loss scale is applied twice"}
+    for group, norm in group_norms.items():
+        without = math.sqrt(max(full * full - norm * norm, 0.0))
+        predicted = clip_coef(clip, without) / coef if clip > 0 and without > 0 else 1.0
+        if clip > 0 and not _near(predicted, 1.0) and _near(ku, predicted):
+            return {"phase": "update", "name": WITHOUT_GROUP, "factor": ku, "predicted": predicted, "group": group,
+                    "norm": full, "norm_without": without,
+                    "sentence": f"{said}; clipping by the norm without the {SINGULAR[group]} gradients "
+                                f"({without:.4g}) instead of every parameter's ({full:.4g}) predicts x "
+                                f"{predicted:.4g}: the clip norm leaves out the {SINGULAR[group]} gradients"}
+    if clip > 0:
+        implied = implied_norm(clip, ku, coef)
+        return {"phase": "update", "name": NORM, "factor": ku, "engine_norm": implied, "ref_norm": full,
+                "sentence": f"{said}: the engine clipped as if the global norm were {implied:.4g}; the reference's "
+                            f"is {full:.4g}"}
+    return {"phase": "update", "name": LEFT_IN, "factor": ku,
+            "sentence": f"{said} ({precision}): a loss scale (or 1/grad_accum) left in, or undone twice"}

@@ -112,7 +112,7 @@ def compare(results, world):
     return rows
 
 
-def common_factor(rows):
+def rows_factor(rows):
     """The one ratio every row shares (None when they do not)."""
     ratios = [r[8] for r in rows]
     if all(math.isfinite(x) for x in ratios) and max(ratios) - min(ratios) <= COMMON * abs(max(ratios)):
@@ -127,7 +127,7 @@ def layer_mechanism(forward, backward):
         if kind in (0, 1):
             return f"The forward pass differs: {forward}."
         if kind == 2:
-            k = common_factor(rows)
+            k = rows_factor(rows)
             factor = "varying factors" if k is None else f"{k:.4g}"
             groups = ", ".join(sorted({r[4] for r in rows}))
             return (f"The forward agrees, the gradients of the {groups} group(s) do not (scaled by {factor}): "
