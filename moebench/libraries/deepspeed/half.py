@@ -8,10 +8,10 @@ any adapter that trains through `deepspeed.initialize`, e.g. AutoEP):
 - `GroupSums` / `group_sums`: what the noise model and the factor fits read, per parameter group, every parameter
   counted once over the ranks (one all-reduce);
 - `step_judgement(...)`: the noise-model assertions of one step (reported gradient, applied update), or, on a step the
-  reference skips on overflow, the assertion that the engine skipped it too;
-- `finding(...)`: the mechanism behind a failed judgement (rowmath.half_reading: the loss scale never applied or
-  applied twice, a clip norm without a parameter group, a loss scale left in the reported gradient, a common factor),
-  else `bf16-noise` / `fp16-noise`.
+  reference skips on overflow, the assertion that the engine skipped it too; and the per-group view that
+  mechanisms.py hands to rowmath.half_reading when one fails (the loss scale never applied or applied twice, a
+  clip norm without a parameter group, a loss scale left in the reported gradient, a common factor; else
+  `bf16-noise` / `fp16-noise`).
 
 The mathematics (the loss scale over the steps, the one-process reference, reading a common factor) lives in
 rowmath.py, which the standalone --repro script pastes, so the tool and the script print the same figures.
@@ -153,12 +153,15 @@ def skip_judgement(tag: str, engine_skipped: bool, scale: float, next_scale: flo
                             "the engine applied an update where the scaled gradients overflow"))]
 
 
-def unexpected_skip(tag: str, scale: float) -> Comparison:
-    """The engine skipped a step whose scaled gradients do not overflow on one process."""
+def unexpected_skip(tag: str, scale: float, finite: bool) -> Comparison:
+    """The engine skipped a step whose scaled gradients do not overflow on one process (`finite`: whether the
+    gradients it reports are finite)."""
+    held = ("the scaled gradients it holds are finite" if finite else
+            "the scaled gradients it holds are not: a loss scale applied twice overflows this way")
     return assertion(f"{tag}: step applied (the one-process fp16 run's scaled gradients are finite at loss "
                      f"scale {scale:g})", False,
-                     note=f"the engine skipped the step (an overflow it saw at loss scale {scale:g} that one "
-                          "process does not)")
+                     note=f"the engine skipped the step: an overflow at loss scale {scale:g} that one process does "
+                          f"not see ({held})")
 
 
 def step_judgement(tag: str, s, *, engine, names: dict, gname: dict, reduced: dict, before: dict,
@@ -171,8 +174,10 @@ def step_judgement(tag: str, s, *, engine, names: dict, gname: dict, reduced: di
     from moebench.libraries.deepspeed.names import group
 
     world = dist.get_world_size()
-    applied = torch.tensor([1 if getattr(engine, "was_step_applied", lambda: True)() else 0])
-    dist.all_reduce(applied, op=dist.ReduceOp.MIN)  # every rank takes the same branch (and collectives) below
+    flags = torch.tensor([1 if getattr(engine, "was_step_applied", lambda: True)() else 0,
+                          1 if all(bool(torch.isfinite(g).all()) for g in reduced.values()) else 0])
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)  # every rank takes the same branch (and collectives) below
+    applied, finite = int(flags[0]), bool(flags[1])
     after = fp32_masters(names, engine) if masters is not None else None
     moved = ({n: after[n] - masters[n] for n in after} if after is not None else
              {n: p.detach().double() - before[n] for n, p in names.items()})
@@ -184,10 +189,10 @@ def step_judgement(tag: str, s, *, engine, names: dict, gname: dict, reduced: di
         norms[ref_group[n]] += float((e * e).sum())
     view = {"precision": s.precision, "scale": scale, "clip": s.clip, "update": {}, "update_base": {},
             "group_norms": {g: v ** 0.5 for g, v in norms.items()}}
-    if base_step.skipped or not int(applied):
-        out = (skip_judgement(tag, not int(applied), scale, next_scale, moved) if base_step.skipped else
-               [unexpected_skip(tag, scale)])
-        if not (base_step.skipped and int(applied)):
+    if base_step.skipped or not applied:
+        out = (skip_judgement(tag, not applied, scale, next_scale, moved) if base_step.skipped else
+               [unexpected_skip(tag, scale, finite)])
+        if not (base_step.skipped and applied):
             return out, None
         # The engine applied a step that overflows on one process: its reported gradient may say why (a loss scale
         # never applied overflows nothing). No finite baseline here: the fit is read to noisemath.GROUP_FIT_RTOL.

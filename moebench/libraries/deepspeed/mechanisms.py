@@ -33,12 +33,20 @@ import torch
 
 from moebench.libraries.deepspeed.names import group as _group
 from moebench.libraries.deepspeed.names import label as _label
-from moebench.libraries.deepspeed.rowmath import common_factors, half_reading, implied_norm, which_norm
+from moebench.libraries.deepspeed.rowmath import (
+    common_factors,
+    group_norms,
+    half_reading,
+    implied_norm,
+    which_norm,
+    without_group,
+)
 from moebench.parity.compare import Comparison
 from moebench.parity.diagnose import FIRST_DIVERGENCE, SCALE_FIT_RTOL
 from moebench.parity.diagnosis import (
     ACCUM_BOUNDARY,
     BF16_NOISE,
+    CLIP_NORM_WITHOUT_GROUP,
     EXPERT_GRAD_SCALE,
     FORWARD_DIFFERS,
     FP16_NOISE,
@@ -199,10 +207,11 @@ def analyse(v: StepView) -> dict[str, Any] | None:
         return _grad_finding(v, wrong, tag)
     if v.norm is not None and ("norm", "") in v.wrong:
         ratio = v.norm[0] / v.norm[1] if v.norm[1] else float("inf")
-        return _finding("global norm", GLOBAL_NORM,
+        left_out = without_group(v.norm[0], group_norms(v.ref_grad))
+        return _finding("global norm", CLIP_NORM_WITHOUT_GROUP if left_out else GLOBAL_NORM,
                         f"reduced gradients right; the engine's global gradient norm is {v.norm[0]:.4g} on rank "
                         f"{v.rank}, the reference's {v.norm[1]:.4g} (x {ratio:.4g}): the clip coefficient "
-                        "differs, so every update is scaled by it", f"{tag}, all groups", ratio=ratio,
+                        "differs, so every update is scaled by it" + left_out, f"{tag}, all groups", ratio=ratio,
                         engine_norm=v.norm[0], ref_norm=v.norm[1], own_norm=v.own_norm())
     wrong_updates = {n: ae for n, ae in v.updates.items() if ("update", n) in v.wrong}
     if not wrong_updates:

@@ -14,6 +14,7 @@ import types
 import torch
 from torch import nn
 
+from moebench.models.deepspeed_moe import TINY_EXPERT_PREFIX  # @PASTED@ (the script has it: tinymoe)
 from moebench.parity.noisemath import common_factor, scaled_groups  # @PASTED@ (the script has it above)
 
 D_MODEL = 8
@@ -240,6 +241,33 @@ def implied_norm(clip: float, factor: float, clip_coef: float) -> float:
 NORM_MATCH_RTOL = 1e-3
 """An engine's global norm (read, or implied by its clip factor) matches a candidate norm within 0.1 %:
 clip factors are read to ~5e-4 (CLUSTER_RTOL / 4), candidates differ by >= 1 % in every case seen."""
+
+
+def param_group(name: str) -> str:
+    """The group of a parameter's (global) name: "experts", "gate" or "dense" (every other, replicated one)."""
+    if name.startswith(TINY_EXPERT_PREFIX):
+        return "experts"
+    return "gate" if ".gate." in name else "dense"
+
+
+def group_norms(grad: dict) -> dict[str, float]:
+    """The norm of a gradient (by global name) over each group's parameters."""
+    squares = {"experts": 0.0, "gate": 0.0, "dense": 0.0}
+    for name, g in grad.items():
+        squares[param_group(name)] += float((g.double() ** 2).sum())
+    return {k: math.sqrt(v) for k, v in squares.items()}
+
+
+def without_group(norm: float, norms: dict[str, float]) -> str:
+    """The clause naming the group a norm leaves out, when `norm` is the norm of every group's but one within
+    NORM_MATCH_RTOL ("" when it is not)."""
+    full = math.sqrt(sum(n * n for n in norms.values()))
+    for group, n in norms.items():
+        rest = math.sqrt(max(full * full - n * n, 0.0))
+        if n > 0 and abs(norm - rest) <= NORM_MATCH_RTOL * rest:
+            return (f"; that is the norm of every gradient but the {SINGULAR[group]} ones ({rest:.4g}): the clip norm "
+                    f"leaves out the {SINGULAR[group]} gradients")
+    return ""
 
 
 def which_norm(engine: list[float], own: list[float], ref: float) -> str:
