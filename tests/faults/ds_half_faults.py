@@ -1,4 +1,4 @@
-"""Half-precision faults injected into DeepSpeed's OWN objects (never its installed files), as tests/faults/ds_faults.py:
+"""Half-precision faults injected into DeepSpeed's OWN objects (never its installed files), as ds_faults.py does:
 `FAULTS[name](set_attr)` patches this process; ranks forked (or spawned, through tests/faults/inject) inherit it.
 Each hits ZeRO 1 and 2, where DeepSpeed 0.19.8 is right, so a row that passes unbroken must fail named:
 

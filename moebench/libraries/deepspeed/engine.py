@@ -36,6 +36,7 @@ from moebench.libraries.deepspeed.names import DIAGNOSIS_GROUP, global_name, gro
 from moebench.libraries.deepspeed.rowmath import (
     D_MODEL,
     EXPERTS_PER_RANK,
+    FP16_KEYS,
     HALF_DTYPES,
     LR,
     STEPS,
@@ -46,10 +47,11 @@ from moebench.libraries.deepspeed.rowmath import (
     moe_fields,
     reference_step,
 )
-from moebench.libraries.deepspeed.user_config import BINDING_CLIP, clip_loss_multiplier
+from moebench.libraries.deepspeed.user_config import BINDING_CLIP, clip_multiplier, row_clip
 from moebench.libraries.spec import Row, Settings
 from moebench.models.deepspeed_moe import TinyMoENet
-from moebench.parity.diagnosis import OUTPUT, REPLICATED, ROUTER
+from moebench.parity.diagnose import FIRST_DIVERGENCE
+from moebench.parity.diagnosis import OUTPUT, REPLICATED, ROUTER, VACUOUS_ROW, make
 from moebench.parity.layout import ExpertLayout
 
 CLIP = BINDING_CLIP
@@ -93,7 +95,7 @@ class EngineSettings(Settings):
     """Optimizer steps."""
     loss_multiplier: float = 1.0
     """The loss is multiplied by this, engine and reference alike: a user's gradient_clipping larger than the
-    small model's gradient norm binds this way (user_config.clip_loss_multiplier)."""
+    small model's gradient norm binds this way (user_config.clip_multiplier; fp16 rows clip at 0.05 instead)."""
     loss_scale: float = 0.0
     """fp16.loss_scale: a static loss scale; 0 is dynamic loss scaling (the keys below). fp16 rows only."""
     initial_scale_power: int = 16
@@ -161,20 +163,22 @@ def matrix(world_size: int) -> list[EngineSettings]:
     return out
 
 
-USER_CONFIG_KEYS = ("zero_stage", "clip", "grad_accum", "precision")
-"""What a user's DeepSpeed config sets in a row (`--ds-config`, parsed by the CLI)."""
+USER_CONFIG_KEYS = ("zero_stage", "clip", "grad_accum", "precision", *FP16_KEYS)
+"""What a user's DeepSpeed config sets in a row (`--ds-config`, read by user_config.read_user_config)."""
 
 
 def user_rows_settings(world_size: int, user_config: dict) -> list[EngineSettings]:
-    """One row per ep_size dividing W with the user's zero_stage / clip / grad_accum / precision."""
+    """One row per ep_size dividing W with the user's zero_stage / clip / grad_accum / precision / fp16 section."""
     unknown = set(user_config) - set(USER_CONFIG_KEYS)
     if unknown:
         raise ValueError(f"unknown user_config keys {sorted(unknown)}; expected {USER_CONFIG_KEYS}")
-    if user_config.get("precision", "fp32") not in PRECISIONS:
-        raise ValueError(f"precision {user_config['precision']!r} is not one of {PRECISIONS}")
-    multiplier = clip_loss_multiplier(user_config.get("clip", 0.0))
-    return [EngineSettings(ep_size=ep, loss_multiplier=multiplier, **{"zero_stage": 0, **user_config})
-            for ep in ep_sizes(world_size)]
+    precision = user_config.get("precision", "fp32")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not one of {PRECISIONS}")
+    clip = user_config.get("clip", 0.0)
+    fields = {"zero_stage": 0, **user_config, "clip": row_clip(clip, precision),
+              "loss_multiplier": clip_multiplier(clip, precision)}
+    return [EngineSettings(ep_size=ep, **fields) for ep in ep_sizes(world_size)]
 
 
 def row_of(settings: EngineSettings, world_size: int, *, variant: str | None = None) -> Row:
@@ -251,13 +255,14 @@ def run(ctx, row: Row, opts) -> list:
         gname = {n: global_name(n, layout, ep_rank) for n in names}
         groups = {n: DIAGNOSIS_GROUP[group(gname[n])] for n in names}
         sizes = mech.GroupSizes(world=w, dp=w, ep=s.ep_size, edp=w // s.ep_size, grad_accum=s.grad_accum)
-        scaler = LossScaler(s)
+        scaler, all_skipped = LossScaler(s), True
         for step in range(s.steps):
             tag = f"ZeRO {s.zero_stage}, step {step + 1}"
             scale = scaler.scale
             base_step = reference_step(master, s, w, opts.seed, step, compute=half,
                                        loss_scale=scale) if half is not None else None
             ref_step = reference_step(ref, s, w, opts.seed, step, skip=base_step is not None and base_step.skipped)
+            all_skipped = ref_step.skipped and all_skipped
             scaler.update(base_step is not None and base_step.overflow)
             asserted = base_step is None  # half precision: per element for information; judged by the noise model
             before = {n: p.detach().double().clone() for n, p in names.items()}
@@ -348,6 +353,9 @@ def run(ctx, row: Row, opts) -> list:
                 every = [None] * w
                 dist.all_gather_object(every, mine)
                 finding = mech.combine(every, sizes=sizes, zero_stage=s.zero_stage, step=step + 1)
+        if base_step is not None and finding is None and all_skipped:  # nothing was compared but skips
+            finding = make(VACUOUS_ROW, f"first divergence at ZeRO {s.zero_stage}: every step overflowed on one "
+                           "process and was skipped: the row compares no update (vacuous)", **{FIRST_DIVERGENCE: True})
         if hasattr(engine, "destroy"):
             engine.destroy()
     for c in out:
