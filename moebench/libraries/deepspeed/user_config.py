@@ -33,9 +33,9 @@ is 0.15-0.4 (measured). The default matrix's clip rows use it (engine.CLIP)."""
 FP16_DEFAULTS = {"loss_scale": 0.0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
                  "consecutive_hysteresis": False, "min_loss_scale": 1}
 """DeepSpeed's fp16 defaults (DeepSpeedFP16Config; tests/libraries/test_ds_user_config.py holds them to it)."""
-DEFAULTS: dict[str, Any] = {"zero_stage": 0, "clip": 0.0, "grad_accum": 1, "precision": "fp32", **FP16_DEFAULTS}
-"""DeepSpeed's own defaults for a key the file does not set (no ZeRO, no clipping, one micro-step, fp32; the fp16
-section's own)."""
+DEFAULTS: dict[str, Any] = {"zero_stage": 0, "clip": 0.0, "grad_accum": 1, "precision": "fp32"}
+"""DeepSpeed's own defaults for a key the file does not set (no ZeRO, no clipping, one micro-step, fp32); an fp16
+config's settings add its fp16 section over FP16_DEFAULTS."""
 OPTIMIZER_WHY = ("Adam divides each step by the gradient's own running size, so a gradient scaled "
                  "uniformly by k would step the same and a mis-scaled reduction would pass")
 """Why the rows replace the user's optimizer by SGD (whose step is proportional to the gradient)."""
@@ -84,8 +84,8 @@ ROW_KEYS = ("gradient_accumulation_steps", "gradient_clipping", "fp16.enabled", 
 
 
 def read_user_config(path: str) -> tuple[dict[str, Any], list[str]]:
-    """(settings, notes): settings = {"zero_stage", "clip", "grad_accum", "precision", and the fp16 section's
-    FP16_KEYS} taken from the file (DeepSpeed's defaults where it sets none); notes = one line per key not honoured
+    """(settings, notes): settings = {"zero_stage", "clip", "grad_accum", "precision", and for fp16 the fp16
+    section's FP16_KEYS} taken from the file (DeepSpeed's defaults where it sets none); notes = one line per key not honoured
     here, per "auto" filled, and one naming the optimizer replaced by SGD. Bad values raise UserError naming
     --ds-config."""
     user = read_checked(path)
@@ -111,7 +111,7 @@ def read_user_config(path: str) -> tuple[dict[str, Any], list[str]]:
         settings["grad_accum"] = int(user["gradient_accumulation_steps"])
     settings["precision"] = _precision(user, path, notes)
     if settings["precision"] == "fp16":
-        settings.update({k: user["fp16"][k] for k in FP16_KEYS if k in user["fp16"]})
+        settings.update({**FP16_DEFAULTS, **{k: user["fp16"][k] for k in FP16_KEYS if k in user["fp16"]}})
         settings["loss_scale"] = float(settings["loss_scale"])
         settings["min_loss_scale"] = int(settings["min_loss_scale"])
     if "gradient_clipping" in user:
@@ -167,7 +167,7 @@ def verified_line(settings: dict[str, Any]) -> str:
     """What the rows verify, in the file's own terms."""
     precision = settings["precision"]
     if precision == "fp16":
-        s = {**DEFAULTS, **settings}
+        s = {**FP16_DEFAULTS, **settings}
         precision = (f"fp16 (static loss scale {s['loss_scale']:g})" if s["loss_scale"] > 0 else
                      f"fp16 (dynamic loss scale from 2^{s['initial_scale_power']}, window {s['loss_scale_window']}, "
                      f"hysteresis {s['hysteresis']}, min {s['min_loss_scale']})")

@@ -260,7 +260,7 @@ def build_ds_config(config: DeepSpeedRunConfig, user: dict | None = None) -> dic
     _set(merged, ("zero_optimization", "stage"), config.engine.zero_stage)
     _set(merged, ("optimizer", "params", "lr"), config.train.lr)
     merged.setdefault("optimizer", {}).setdefault("type", "Adam")
-    _check_ds_config(merged, config, path)
+    _check_ds_config(merged, config, path if user else None)
     _check_half_precision(merged)
     merged["train_batch_size"] = config.train.batch_size
     return merged
@@ -289,10 +289,13 @@ def validate_with_deepspeed(user: dict, path: str) -> None:
                             "fix the file", flag="--ds-config") from None
 
 
-def _check_ds_config(ds: dict, config: DeepSpeedRunConfig, path: str) -> None:
-    from moebench.variants.deepspeed.ds_schema import check_types
+def _check_ds_config(ds: dict, config: DeepSpeedRunConfig, path: str | None) -> None:
+    """The merged config's settings moebench cannot run; `path`: the file's, whose optimizer / scheduler types are
+    checked as verify-parity --ds-config checks them (None: no file, moebench's own Adam)."""
+    if path is not None:
+        from moebench.variants.deepspeed.ds_schema import check_types
 
-    check_types(ds, path)  # as verify-parity --ds-config checks them
+        check_types(ds, path)
     gas = ds.get("gradient_accumulation_steps", 1)
     if gas != 1:
         raise UserError(f"gradient_accumulation_steps={gas!r} is not supported (one optimizer step per "

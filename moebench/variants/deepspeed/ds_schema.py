@@ -95,7 +95,7 @@ def _model_bounds(model) -> Iterator[tuple[tuple[str, ...], Number]]:
     for name, field in model.model_fields.items():
         kind = field.annotation
         if isinstance(kind, type) and issubclass(kind, enum.Enum) and issubclass(kind, int):  # ZeRO stage: 0-3
-            bound = Number(integer=True, min=min(kind), max=max(kind), why="DeepSpeed's stages")
+            bound = Number(integer=True, min=int(min(kind)), max=int(max(kind)), why="DeepSpeed's stages")
         elif kind in (int, float):
             low = 0.0
             for rule in field.metadata:
