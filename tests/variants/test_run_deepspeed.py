@@ -94,7 +94,7 @@ DS_CONFIGS = [
     ('{"optimizer": {"params": 5}}', [], "optimizer.params in"),
     ('{"optimizer": {"params": {"lr": "abc"}}}', [], "must be a number, got 'abc'"),
     ('{"optimizer": {"params": {"lr": 1e999}}}', [], "holds a number beyond float range"),
-    ('{"zero_optimization": {"stage": "2"}}', [], "zero_optimization.stage in"),  # a string: "must be a whole number, got '2'"
+    ('{"zero_optimization": {"stage": "2"}}', [], "zero_optimization.stage in"),  # "must be a whole number"
     ('{"zero_optimization": {"stage": 4}}', [], "must be at most 3 (DeepSpeed's stages), got 4"),
     ('{"train_micro_batch_size_per_gpu": 2.5}', [], "must be a whole number, got 2.5"),
     ('{"train_micro_batch_size_per_gpu": 4}', ["--batch-size", "16"], "drop one of them"),

@@ -1,10 +1,11 @@
 """Half precision (fp16, bf16) on DeepSpeed's engine, in small reusable parts (the engine rows use them; so can
 any adapter that trains through `deepspeed.initialize`, e.g. AutoEP):
 
-- `cpu_fp16_allowed()`: DeepSpeed's CPU fp16 refusal overridden in this (rank) process only, and `CPU_FP16_NOTE`,
-  the one line every fp16 row says;
+- `cpu_fp16_allowed()`: DeepSpeed's CPU fp16 refusal overridden in this (rank) process only (rowmath.py, so the
+  --repro script overrides it the same way), and `CPU_FP16_NOTE`, the one line every fp16 row says;
 - `supported_or_skip(precision)`: a bf16 row skips where DeepSpeed's accelerator declares no bf16;
-- `fp32_masters(names, engine)`: the float32 master weights the optimizer steps (the update it applied is read there);
+- `fp32_masters(names, engine)`: the float32 master weights the optimizer steps (the update it applied is read
+  there; rowmath.py too);
 - `GroupSums` / `group_sums`: what the noise model and the factor fits read, per parameter group, every parameter
   counted once over the ranks (one all-reduce);
 - `step_judgement(...)`: the noise-model assertions of one step (reported gradient, applied update), or, on a step the
@@ -19,14 +20,13 @@ rowmath.py, which the standalone --repro script pastes, so the tool and the scri
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 from moebench.libraries.deepspeed import rowmath
+from moebench.libraries.deepspeed.rowmath import cpu_fp16_allowed, fp32_masters  # noqa: F401 - this module's API
 from moebench.parity import noise
 from moebench.parity.compare import Comparison, assertion
 
@@ -43,38 +43,6 @@ check overridden is `engine._do_sanity_check`'s "Type fp16 is not supported on y
 # ------------------------------------------------------------------ DeepSpeed on CPU
 
 
-@contextlib.contextmanager
-def cpu_fp16_allowed(enabled: bool = True) -> Iterator[None]:
-    """Within the block, `deepspeed.initialize` accepts fp16 on DeepSpeed's CPU accelerator: its sanity check
-    refuses fp16 where `is_fp16_supported()` (this CPU's mkldnn fp16) says no, though torch computes fp16 on any CPU.
-    Only that answer is overridden, only during that check, only in this process (call it in the rank, never the
-    parent); no DeepSpeed file changes. A release without the check is left as it is."""
-    if not enabled:
-        yield
-        return
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.runtime.engine import DeepSpeedEngine
-
-    original = getattr(DeepSpeedEngine, "_do_sanity_check", None)
-    accelerator = get_accelerator()
-    if original is None or accelerator.device_name() != "cpu":
-        yield
-        return
-
-    def sanity_check(self):
-        accelerator.is_fp16_supported = lambda: True  # an instance attribute shadows the method for this call
-        try:
-            return original(self)
-        finally:
-            del accelerator.is_fp16_supported
-
-    DeepSpeedEngine._do_sanity_check = sanity_check
-    try:
-        yield
-    finally:
-        DeepSpeedEngine._do_sanity_check = original
-
-
 def supported_or_skip(precision: str) -> None:
     """bf16 needs DeepSpeed's accelerator to declare bf16 (fp16 on CPU: cpu_fp16_allowed)."""
     from deepspeed.accelerator import get_accelerator
@@ -83,29 +51,6 @@ def supported_or_skip(precision: str) -> None:
 
     if precision == "bf16" and not get_accelerator().is_bf16_supported():
         raise SkipCheck(f"DeepSpeed's {get_accelerator().device_name()} accelerator does not support bf16 here")
-
-
-def fp32_masters(names: dict, engine=None) -> dict[str, torch.Tensor] | None:
-    """Each parameter's float32 master weight (float64 copies): DeepSpeed's `safe_get_full_fp32_param` (ZeRO 1/2),
-    else the unfused fp16 optimizer's own fp32 copies (ZeRO 0, fp16 and bf16: `fp16_groups` / `fp32_groups`);
-    None where this release keeps none that can be read."""
-    try:
-        from deepspeed.utils import safe_get_full_fp32_param
-    except ImportError:
-        safe_get_full_fp32_param = None
-    pairs = {}
-    optimizer = getattr(engine, "optimizer", None)
-    for low, high in zip(getattr(optimizer, "fp16_groups", ()) or (), getattr(optimizer, "fp32_groups", ()) or ()):
-        pairs.update({id(p): q for p, q in zip(low, high)})
-    out = {}
-    for n, p in names.items():
-        master = safe_get_full_fp32_param(p) if safe_get_full_fp32_param is not None else None
-        if master is None:
-            master = pairs.get(id(p))
-        if master is None:
-            return None
-        out[n] = master.detach().double().clone()
-    return out
 
 
 # ------------------------------------------------------------------ the noise model, per group

@@ -7,6 +7,7 @@ pastes both files into the script (libraries/repro), so the script and the tool 
 same seed, draw the same batches, and print the same figures (tests/libraries/test_repro.py compares them).
 """
 
+import contextlib
 import dataclasses
 import math
 import types
@@ -197,6 +198,64 @@ class LossScaler:
                 self.chances = self.hysteresis
                 self.scale *= 2
         self.step += 1
+
+
+# ------------------------------------------------------------------ DeepSpeed's half precision on CPU
+
+
+@contextlib.contextmanager
+def cpu_fp16_allowed(enabled: bool = True):
+    """Within the block, `deepspeed.initialize` accepts fp16 on DeepSpeed's CPU accelerator: its sanity check
+    refuses fp16 where `is_fp16_supported()` (this CPU's mkldnn fp16) says no, though torch computes fp16 on any CPU.
+    Only that answer is overridden, only during that check, only in this process (call it in the rank, never the
+    parent); no DeepSpeed file changes. A release without the check is left as it is."""
+    if not enabled:
+        yield
+        return
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    original = getattr(DeepSpeedEngine, "_do_sanity_check", None)
+    accelerator = get_accelerator()
+    if original is None or accelerator.device_name() != "cpu":
+        yield
+        return
+
+    def sanity_check(self):
+        accelerator.is_fp16_supported = lambda: True  # an instance attribute shadows the method for this call
+        try:
+            return original(self)
+        finally:
+            del accelerator.is_fp16_supported
+
+    DeepSpeedEngine._do_sanity_check = sanity_check
+    try:
+        yield
+    finally:
+        DeepSpeedEngine._do_sanity_check = original
+
+
+def fp32_masters(names: dict, engine=None) -> dict[str, torch.Tensor] | None:
+    """Each parameter's float32 master weight (float64 copies): DeepSpeed's `safe_get_full_fp32_param` (ZeRO 1/2),
+    else the unfused fp16 optimizer's own fp32 copies (ZeRO 0, fp16 and bf16: `fp16_groups` / `fp32_groups`);
+    None where this release keeps none that can be read."""
+    try:
+        from deepspeed.utils import safe_get_full_fp32_param
+    except ImportError:
+        safe_get_full_fp32_param = None
+    pairs = {}
+    optimizer = getattr(engine, "optimizer", None)
+    for low, high in zip(getattr(optimizer, "fp16_groups", ()) or (), getattr(optimizer, "fp32_groups", ()) or ()):
+        pairs.update({id(p): q for p, q in zip(low, high)})
+    out = {}
+    for n, p in names.items():
+        master = safe_get_full_fp32_param(p) if safe_get_full_fp32_param is not None else None
+        if master is None:
+            master = pairs.get(id(p))
+        if master is None:
+            return None
+        out[n] = master.detach().double().clone()
+    return out
 
 
 # ------------------------------------------------------------------ reading an update scaled by one factor

@@ -85,9 +85,9 @@ ROW_KEYS = ("gradient_accumulation_steps", "gradient_clipping", "fp16.enabled", 
 
 def read_user_config(path: str) -> tuple[dict[str, Any], list[str]]:
     """(settings, notes): settings = {"zero_stage", "clip", "grad_accum", "precision", and for fp16 the fp16
-    section's FP16_KEYS} taken from the file (DeepSpeed's defaults where it sets none); notes = one line per key not honoured
-    here, per "auto" filled, and one naming the optimizer replaced by SGD. Bad values raise UserError naming
-    --ds-config."""
+    section's FP16_KEYS} taken from the file (DeepSpeed's defaults where it sets none); notes = one line per key
+    not honoured here, per "auto" filled, and one naming the optimizer replaced by SGD. Bad values raise UserError
+    naming --ds-config."""
     user = read_checked(path)
     notes: list[str] = []
     user = _fill_auto(user, path, notes)

@@ -54,8 +54,8 @@ def bounds() -> dict[tuple[str, ...], Number]:
     """Every bounded key path of a DeepSpeed config -> its bound."""
     c = _constants()
     out: dict[tuple[str, ...], Number] = {
-        (c.GRADIENT_ACCUMULATION_STEPS,): Number(integer=True, min=1, max=MAX_ACCUM,
-                                                  why="the micro-steps a verify-parity row takes within its deadline; run takes 1"),
+        (c.GRADIENT_ACCUMULATION_STEPS,): Number(
+            integer=True, min=1, max=MAX_ACCUM, why="the micro-steps a verify-parity row takes within its deadline"),
         (c.TRAIN_BATCH_SIZE,): Number(integer=True, min=1, max=MAX_BATCH, why="a C int"),
         (c.TRAIN_MICRO_BATCH_SIZE_PER_GPU,): Number(integer=True, min=1, max=MAX_BATCH, why="a C int"),
         (c.GRADIENT_CLIPPING,): Number(integer=False, min=0, max=MAX_CLIP, why="0 turns clipping off"),
