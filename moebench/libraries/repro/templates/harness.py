@@ -186,8 +186,11 @@ def head(t, width=68):
     return shown
 
 
-def main(*, world, library_rank, reference_rank, describe, kinds, where, mechanism, notes=None, argv=None):
-    """Runs the W library ranks and the reference; prints and returns the exit status."""
+def main(*, world, library_rank, reference_rank, describe, kinds=(), where="", mechanism=None, notes=None,
+         judge_results=None, argv=None):
+    """Runs the W library ranks and the reference; prints and returns the exit status. `judge_results(results)`,
+    when given, judges the records itself (a half-precision row's noise model) instead of comparing them
+    element by element."""
     parser = argparse.ArgumentParser(description="Standalone reproduction (see the top of this file).")
     parser.add_argument("--deadline", type=float, default=DEADLINE_S, help="seconds for the whole run")
     args = parser.parse_args(argv)
@@ -251,6 +254,8 @@ def main(*, world, library_rank, reference_rank, describe, kinds, where, mechani
             results["reference"] = torch.load(os.path.join(out, "reference.pt"), weights_only=False)
             for line in (notes(results) if notes else ()):
                 print(textwrap.fill(line, 79, subsequent_indent="  "))
+            if judge_results is not None:
+                return judge_results(results)
             return report(compare(results, world), kinds, where, mechanism)
         except KeyboardInterrupt:
             print("interrupted: every process of the run killed", file=sys.stderr)
