@@ -233,7 +233,8 @@ def run(ctx, row: Row, opts) -> list:
     out: list = []
     finding = None
     with new_groups_time_out_after(group_timeout_s(opts.timeout_s)), \
-            deepspeed_comm(ctx, compiled_ops=False, timeout_s=opts.timeout_s), quiet_deepspeed():
+            deepspeed_comm(ctx, compiled_ops=False, timeout_s=opts.timeout_s), quiet_deepspeed(), \
+            half_precision.cpu_fp16_allowed(s.precision == "fp16"):  # this rank only
         if dtype is not None:
             half_precision.supported_or_skip(s.precision)
         create_expert_groups(1)
@@ -249,8 +250,7 @@ def run(ctx, row: Row, opts) -> list:
         ep_rank = ds_groups._get_expert_parallel_rank(f"ep_size_{s.ep_size}")
         layout = ExpertLayout(experts, s.ep_size)
         model = TinyMoENet(moe_fields(s, s.ep_size), experts, opts.seed, ep_rank, d_model=D_MODEL)
-        with half_precision.cpu_fp16_allowed(s.precision == "fp16"):
-            engine = _engine(model, s, w)
+        engine = _engine(model, s, w)
         names = dict(engine.module.named_parameters())
         gname = {n: global_name(n, layout, ep_rank) for n in names}
         groups = {n: DIAGNOSIS_GROUP[group(gname[n])] for n in names}

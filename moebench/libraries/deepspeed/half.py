@@ -1,8 +1,9 @@
 """Half precision (fp16, bf16) on DeepSpeed's engine, in small reusable parts (the engine rows use them; so can
 any adapter that trains through `deepspeed.initialize`, e.g. AutoEP):
 
-- `cpu_fp16_allowed()`: DeepSpeed's CPU fp16 refusal overridden in this (rank) process only (rowmath.py, so the
-  --repro script overrides it the same way), and `CPU_FP16_NOTE`, the one line every fp16 row says;
+- `cpu_fp16_allowed()`: a context manager: DeepSpeed's CPU fp16 refusal (the accelerator's is_fp16_supported())
+  overridden in this (rank) process only, for the block (rowmath.py, so the --repro script overrides it the same
+  way), and `CPU_FP16_NOTE`, the one line every fp16 row says;
 - `supported_or_skip(precision)`: a bf16 row skips where DeepSpeed's accelerator declares no bf16;
 - `fp32_masters(names, engine)`: the float32 master weights the optimizer steps (the update it applied is read
   there; rowmath.py too);
@@ -36,8 +37,9 @@ UPDATE = "applied update (fp32 masters)"
 """What a half-precision row's noise model judges: the reduced gradient DeepSpeed reports (`safe_get_full_grad`,
 divided by the step's loss scale) and the update its optimizer applied to the float32 master weights."""
 CPU_FP16_NOTE = "fp16 on CPU (DeepSpeed's fp16 check overridden in each rank): not a GPU run"
-"""Said by every fp16 row on CPU (its Row.note: one line at 80 columns), so nobody mistakes it for a GPU run. The
-check overridden is `engine._do_sanity_check`'s "Type fp16 is not supported on your device" (cpu_fp16_allowed)."""
+"""Said by every fp16 row on CPU (its Row.note: one line at 80 columns), so nobody mistakes it for a GPU run. What is
+overridden is the CPU accelerator's `is_fp16_supported()`, which `engine._do_sanity_check` asks ("Type fp16 is not
+supported on your device") and ZeRO 0's all-reduce too (cpu_fp16_allowed)."""
 
 
 # ------------------------------------------------------------------ DeepSpeed on CPU

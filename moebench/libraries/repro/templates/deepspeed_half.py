@@ -5,9 +5,9 @@ deepspeed` named on the first line, with its settings, seed and data.
 Needs only Python, torch and deepspeed. Run: `python THIS_FILE` (option: --deadline SECONDS).
 Exit status: 1 the bug shows (the first diverging step and its mechanism are printed), 0 it does not, 2 setup error.
 
-fp16 on CPU: DeepSpeed's sanity check refuses fp16 where this CPU's accelerator says it has no fp16
-(`engine._do_sanity_check`); this script overrides that one answer, in its rank processes only, during that check
-(no DeepSpeed file changes). It is not a GPU run.
+fp16 on CPU: DeepSpeed refuses fp16 where its CPU accelerator says this CPU has no fp16 (`is_fp16_supported()`,
+asked by `engine._do_sanity_check` and for its all-reduce dtypes); this script overrides that one answer in its rank
+processes only (no DeepSpeed file changes). It is not a GPU run.
 
 The model, its data, the loss scale over the steps and the one-process reference are the tool's own (pasted below
 from moebench), and so is the judgement, so this script and the tool print the same figures:
@@ -87,9 +87,9 @@ def engine_rank(rank, world, store_path, out, deadline):
         local = model.moe.num_local_experts
         param_groups = split_params_into_different_moe_groups_for_optimizer(
             {"params": list(model.parameters()), "name": "parameters"})
-        with cpu_fp16_allowed(ROW.precision == "fp16"):  # this process only
-            engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(param_groups, lr=LR),
-                                              config=engine_config(ROW, world))
+        cpu_fp16_allowed(ROW.precision == "fp16").__enter__()  # this rank process only, until it ends
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(param_groups, lr=LR),
+                                          config=engine_config(ROW, world))
         names = {global_name(n, ep_rank, local): p for n, p in engine.module.named_parameters()}
         steps = []
         phase = TRAINING
