@@ -14,7 +14,7 @@ import torch
 from helpers import library_checks
 
 from moebench.libraries import matrix
-from moebench.libraries.deepspeed import half, rowmath
+from moebench.libraries.deepspeed import half, halfmath, rowmath
 from moebench.libraries.records import rows_of
 from moebench.parity import noisemath
 from moebench.parity.runner import ParityConfig, run_checks
@@ -48,12 +48,12 @@ def _settings(**fields):
 @pytest.mark.parametrize("hysteresis,window,consecutive,min_scale", [
     (2, 1000, False, 1), (1, 2, False, 1), (3, 1, True, 1), (2, 3, False, 2**10), (1, 1, True, 2**12)])
 def test_the_reference_loss_scale_is_deepspeeds_own(monkeypatch, hysteresis, window, consecutive, min_scale):
-    """rowmath.LossScaler (the reference's, never read from the engine) against DeepSpeed's DynamicLossScaler over
+    """halfmath.LossScaler (the reference's, never read from the engine) against DeepSpeed's DynamicLossScaler over
     random overflow sequences: the same scale after every step."""
     from deepspeed.runtime.fp16 import loss_scaler
 
     monkeypatch.setattr(loss_scaler.dist, "get_rank", lambda *a, **k: 0)  # it only logs on rank 0
-    ours = rowmath.LossScaler(_settings(initial_scale_power=16, hysteresis=hysteresis, loss_scale_window=window,
+    ours = halfmath.LossScaler(_settings(initial_scale_power=16, hysteresis=hysteresis, loss_scale_window=window,
                                         consecutive_hysteresis=consecutive, min_loss_scale=min_scale))
     theirs = loss_scaler.DynamicLossScaler(init_scale=2.0**16, scale_window=window, min_scale=min_scale,
                                            delayed_shift=hysteresis, consecutive_hysteresis=consecutive,
@@ -64,9 +64,9 @@ def test_the_reference_loss_scale_is_deepspeeds_own(monkeypatch, hysteresis, win
         ours.update(overflow)
         theirs.update_scale(overflow)
         assert ours.scale == theirs.cur_scale
-    static = rowmath.LossScaler(_settings(loss_scale=128.0))
+    static = halfmath.LossScaler(_settings(loss_scale=128.0))
     static.update(True)
-    assert static.scale == 128.0 and rowmath.LossScaler(_settings(precision="bf16")).scale == 1.0
+    assert static.scale == 128.0 and halfmath.LossScaler(_settings(precision="bf16")).scale == 1.0
 
 
 # ------------------------------------------------------------------ DeepSpeed's CPU fp16 check (no ranks)
@@ -87,7 +87,6 @@ class _Engine:
 def test_cpu_fp16_allowed_overrides_the_accelerators_answer_in_the_block_alone(monkeypatch):
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     import torch
-
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.engine import DeepSpeedEngine
 
@@ -126,7 +125,7 @@ NORMS = {"experts": 0.12, "gate": 0.02, "dense": 0.19}
 def _read(grad: dict, update: dict, precision="fp16", scale=128.0, clip=0.0) -> dict | None:
     g, gb = _groups(grad)
     u, ub = _groups(update, seed=1)
-    return rowmath.half_reading(precision=precision, scale=scale, clip=clip, grad=g, grad_base=gb, update=u,
+    return halfmath.half_reading(precision=precision, scale=scale, clip=clip, grad=g, grad_base=gb, update=u,
                                 update_base=ub, group_norms=NORMS)
 
 

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from moebench.libraries.deepspeed import half as half_precision
+from moebench.libraries.deepspeed.halfmath import LossScaler
 from moebench.libraries.deepspeed.names import DIAGNOSIS_GROUP, global_name, group, label
 from moebench.libraries.deepspeed.rowmath import (
     D_MODEL,
@@ -40,7 +41,6 @@ from moebench.libraries.deepspeed.rowmath import (
     HALF_DTYPES,
     LR,
     STEPS,
-    LossScaler,
     batch,
     engine_config,
     loss_of,

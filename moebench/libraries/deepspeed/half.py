@@ -2,21 +2,22 @@
 any adapter that trains through `deepspeed.initialize`, e.g. AutoEP):
 
 - `cpu_fp16_allowed()`: a context manager: DeepSpeed's CPU fp16 refusal (the accelerator's is_fp16_supported())
-  overridden in this (rank) process only, for the block (rowmath.py, so the --repro script overrides it the same
+  overridden in this (rank) process only, for the block (halfmath.py, so the --repro script overrides it the same
   way), and `CPU_FP16_NOTE`, the one line every fp16 row says;
 - `supported_or_skip(precision)`: a bf16 row skips where DeepSpeed's accelerator declares no bf16;
 - `fp32_masters(names, engine)`: the float32 master weights the optimizer steps (the update it applied is read
-  there; rowmath.py too);
+  there; halfmath.py too);
 - `GroupSums` / `group_sums`: what the noise model and the factor fits read, per parameter group, every parameter
   counted once over the ranks (one all-reduce);
 - `step_judgement(...)`: the noise-model assertions of one step (reported gradient, applied update), or, on a step the
   reference skips on overflow, the assertion that the engine skipped it too; and the per-group view that
-  mechanisms.py hands to rowmath.half_reading when one fails (the loss scale never applied or applied twice, a
+  mechanisms.py hands to halfmath.half_reading when one fails (the loss scale never applied or applied twice, a
   clip norm without a parameter group, a loss scale left in the reported gradient, a common factor; else
   `bf16-noise` / `fp16-noise`).
 
 The mathematics (the loss scale over the steps, the one-process reference, reading a common factor) lives in
-rowmath.py, which the standalone --repro script pastes, so the tool and the script print the same figures.
+rowmath.py and halfmath.py, which the standalone --repro script pastes: the tool and the script print the same
+figures.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from moebench.libraries.deepspeed import rowmath
-from moebench.libraries.deepspeed.rowmath import cpu_fp16_allowed, fp32_masters  # noqa: F401 - this module's API
+from moebench.libraries.deepspeed.halfmath import cpu_fp16_allowed, fp32_masters  # noqa: F401 - this module's API
 from moebench.parity import noise
 from moebench.parity.compare import Comparison, assertion
 

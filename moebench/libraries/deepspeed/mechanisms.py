@@ -15,7 +15,7 @@ every rank calls `analyse` on what it holds; `combine` picks the earliest phase 
 - global-norm: reduced gradients right, every update scaled by one common factor (per ZeRO partition
   or rank): the global gradient norm or the clip coefficient differs;
 - partition-copy-back: reduced gradients right, applied step wrong: partitioning or the copy back;
-- half precision (bf16, fp16 rows; rowmath.half_reading, one common factor fitted per group before anything is
+- half precision (bf16, fp16 rows; halfmath.half_reading, one common factor fitted per group before anything is
   called noise): loss-scale-never-applied, loss-scale-twice, loss-scale (left in the reported gradient),
   expert-grad-scale, clip-norm-without-group, global-norm; else bf16-noise / fp16-noise;
 - overflow-skip: an fp16 step skipped (or applied) where the one-process fp16 run does not (does) overflow.
@@ -31,12 +31,12 @@ from typing import Any
 
 import torch
 
+from moebench.libraries.deepspeed.halfmath import half_reading
 from moebench.libraries.deepspeed.names import group as _group
 from moebench.libraries.deepspeed.names import label as _label
 from moebench.libraries.deepspeed.rowmath import (
     common_factors,
     group_norms,
-    half_reading,
     implied_norm,
     which_norm,
     without_group,
@@ -125,7 +125,7 @@ class StepView:
     ref_norm: float = 0.0
     """The reference's global gradient norm (every parameter, each expert once)."""
     half: dict | None = None
-    """A half-precision step's per-group sums (half.step_judgement's view), what rowmath.half_reading reads."""
+    """A half-precision step's per-group sums (half.step_judgement's view), what halfmath.half_reading reads."""
 
     def own_norm(self) -> float:
         """The reference gradient's norm over this rank's own parameters only (its experts alone)."""
@@ -254,7 +254,7 @@ def _grad_finding(v: StepView, wrong: dict, tag: str) -> dict[str, Any]:
 
 
 def _half_reading(v: StepView) -> dict[str, Any] | None:
-    """rowmath.half_reading of a half-precision step's view (None without one, or when nothing explains it)."""
+    """halfmath.half_reading of a half-precision step's view (None without one, or when nothing explains it)."""
     h = v.half
     if not h:
         return None
@@ -265,7 +265,7 @@ def _half_reading(v: StepView) -> dict[str, Any] | None:
 
 
 def _half_finding(v: StepView, noise_failed, tag: str) -> dict[str, Any]:
-    """A half-precision step the noise model fails: the mechanism one common factor names (rowmath.half_reading),
+    """A half-precision step the noise model fails: the mechanism one common factor names (halfmath.half_reading),
     with the group sizes that give an expert-only scale; else the distance itself (bf16-noise / fp16-noise)."""
     h = v.half or {}
     reading = _half_reading(v)

@@ -27,6 +27,7 @@ import sys
 import textwrap
 import types
 
+from halfmath import *  # noqa: F403  @HALFMATH@ (moebench pastes moebench/libraries/deepspeed/halfmath.py here)
 from harness import *  # noqa: F403  @HARNESS@ (moebench pastes the shared harness here)
 from noisemath import *  # noqa: F403  @NOISEMATH@ (moebench pastes moebench/parity/noisemath.py here)
 from rowmath import *  # noqa: F403  @ROWMATH@ (moebench pastes moebench/libraries/deepspeed/rowmath.py here)
@@ -122,7 +123,7 @@ def engine_rank(rank, world, store_path, out, deadline):
 
 def reference_rank(world, store_path, out, deadline):
     """The reference: one process, ep_size = 1, in float32 (rowmath.reference_step), and the same mathematics in
-    the row's precision (the noise), the loss scale following fp16's rules (rowmath.LossScaler)."""
+    the row's precision (the noise), the loss scale following fp16's rules (halfmath.LossScaler)."""
     phase = SETUP
     try:
         watchdog(deadline)
