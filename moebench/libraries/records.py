@@ -106,6 +106,9 @@ class Table:
         out = _lines([_value(r, key) for _, key in self.columns], self.widths, self.gap)
         if "resume" in r.get("features", ()):
             out += textwrap.wrap(_resume_line(r), self.width, subsequent_indent=DIAGNOSIS_INDENT * 2)
+        if r.get("note"):
+            out += textwrap.wrap(r["note"], self.width, initial_indent=DIAGNOSIS_INDENT,
+                                 subsequent_indent=DIAGNOSIS_INDENT * 2, break_on_hyphens=False)
         if r["verdict"] != "pass" and r.get("diagnosis"):
             first = r["diagnosis"].strip().splitlines()[0]
             out += textwrap.wrap(first, self.width, initial_indent=DIAGNOSIS_INDENT,

@@ -96,6 +96,9 @@ class Row:
     """What else the row verifies, for people ("loss-curve", "clip"): shown, never dispatched on."""
     variant: str = ""
     """What tells this row from its siblings with the same model/backend/ep_mode; appended to key()."""
+    note: str = ""
+    """One line said under the row whatever its verdict: how it ran, where a reader could mistake it (DeepSpeed's
+    fp16 rows: its CPU fp16 check overridden, not a GPU run). Its JSON record's "note" when given."""
 
     def __post_init__(self) -> None:
         problem = settings_problem(self.settings)
@@ -111,7 +114,7 @@ class Row:
         """The row's JSON record fields: its labels, then its settings' fields."""
         return {"library": self.library, "version": version, "model": self.model, "backend": self.backend,
                 "ep_mode": self.ep_mode, "world_size": self.world_size, "features": tuple(self.features),
-                **self.settings.fields()}
+                **self.settings.fields(), **({"note": self.note} if self.note else {})}
 
 
 def install_hint(extra: str) -> str:

@@ -42,6 +42,17 @@ LOSS_SCALE = "loss-scale"
 REDUCED_GRAD_WRONG = "reduced-grad-wrong"
 BF16_NOISE = "bf16-noise"
 """Half precision farther from float32 than the noise model allows, and no mechanism explains it."""
+FP16_NOISE = "fp16-noise"
+"""The same in fp16."""
+LOSS_SCALE_NEVER_APPLIED = "loss-scale-never-applied"
+"""fp16: the loss was never multiplied by the loss scale, yet the step divides by it (every update x 1/scale)."""
+LOSS_SCALE_TWICE = "loss-scale-twice"
+"""fp16: the loss multiplied by the loss scale twice."""
+CLIP_NORM_WITHOUT_GROUP = "clip-norm-without-group"
+"""Clipping by a norm that leaves out one parameter group: every update x |g| / |g without that group|."""
+OVERFLOW_SKIP = "overflow-skip"
+"""fp16 loss scaling skipped a step the one-process run does not overflow on, or applied one it overflows on (a
+step skipped where both overflow is loss scaling's design, and passes)."""
 
 # ---- a resumed run's restored state (restore.py)
 NOT_RESTORED = "not-restored"

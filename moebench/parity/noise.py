@@ -16,85 +16,29 @@ Used by the DeepSpeed engine rows and the transformers rows (moebench/libraries/
 from __future__ import annotations
 
 import math
-from typing import Iterable
 
 import torch
 
 from moebench.parity.compare import Comparison, assertion
-
-BF16_NOISE_RATIO = 4.0
-"""A bf16 run passes when its distance from float32 is at most this many times the one-process bf16
-baseline's. Measured here: unbroken DeepSpeed engine rows (0.19.8, W = 4) at 1.36-1.54, unbroken transformers
-rows (5.23.0, 15 rows x W = 2 and 4 x seeds 0-5: output, gradient and input gradient) at 0.99-1.07; broken:
-DeepSpeed's expert gradients divided by the wrong group's size (2x) at 51-354, transformers' experts summed
-over the ranks instead of averaged at 6.5-445 (6.5: DeepSeek-V3 at W = 2, whose grouped top-k flips routes in
-bf16 on one process too), its router gradient never all-reduced at 36, no backward all-to-all at 133."""
-GROUP_FIT_RTOL = 0.05
-"""A group is `c x the reference` when what is left after the fit is within 5 % of it (relative L2):
-bf16 noise is ~0.5 % here (the noise model's distances), a wrong share of a gradient leaves >= 20 %."""
-
-
-def sums(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], weight: float = 1.0) -> torch.Tensor:
-    """[sum a*a, sum a*e, sum e*e] over (actual, expected) pairs, in float64, times `weight` (a parameter that
-    several ranks hold is weighted by 1 / how many, so the sums over the ranks count it once)."""
-    out = torch.zeros(3, dtype=torch.float64)
-    for a, e in pairs:
-        a, e = a.detach().double(), e.detach().double()
-        out += torch.stack([(a * a).sum(), (a * e).sum(), (e * e).sum()])
-    return out * weight
-
-
-def distance(s: torch.Tensor) -> float:
-    """|a - e| / |e| from sums (inf when the reference is all zeros)."""
-    aa, ae, ee = (float(v) for v in s)
-    return math.sqrt(max(aa - 2 * ae + ee, 0.0) / ee) if ee > 0 else math.inf
-
-
-def fit(s: torch.Tensor) -> tuple[float, float] | None:
-    """(c, relative L2 residual) of the least-squares fit actual = c x expected; None without a reference."""
-    aa, ae, ee = (float(v) for v in s)
-    if ee == 0:
-        return None
-    c = ae / ee
-    return c, math.sqrt(max(aa - 2 * c * ae + c * c * ee, 0.0) / aa) if aa > 0 else 0.0
-
-
-def scaled_groups(groups: dict[str, torch.Tensor], baseline: dict[str, torch.Tensor] | None = None
-                  ) -> tuple[dict[str, float], set[str]]:
-    """({group: c} for each group that is the reference scaled by c != 1, the groups that are right), from
-    each group's sums; a group that fits no single factor is in neither. A fit is read to GROUP_FIT_RTOL, or to
-    BF16_NOISE_RATIO x the group's `baseline` distance where bf16 itself moves the group more (a router whose
-    top-k flips for a few tokens in bf16)."""
-    scaled, right = {}, set()
-    for name, s in groups.items():
-        found = fit(s)
-        floor = BF16_NOISE_RATIO * distance(baseline[name]) if baseline and name in baseline else 0.0
-        slack = max(GROUP_FIT_RTOL, floor)
-        if found is None or found[1] > slack:
-            continue
-        if abs(found[0] - 1) > slack:
-            scaled[name] = found[0]
-        else:
-            right.add(name)
-    return scaled, right
-
-
-def common_factor(scaled: dict[str, float]) -> float | None:
-    """The one factor every scaled group shares (their mean), when they agree within GROUP_FIT_RTOL of it relatively;
-    None when there is no scaled group or they disagree."""
-    if not scaled or max(scaled.values()) - min(scaled.values()) > GROUP_FIT_RTOL * max(scaled.values()):
-        return None
-    return sum(scaled.values()) / len(scaled)
+from moebench.parity.noisemath import (  # noqa: F401 - the noise model's names, here where its users look
+    BF16_NOISE_RATIO,
+    GROUP_FIT_RTOL,
+    common_factor,
+    distance,
+    fit,
+    scaled_groups,
+    sums,
+)
 
 
 def judge(tag: str, what: str, run: torch.Tensor, baseline: torch.Tensor, *, rank: int | None = None,
-          group: str = "") -> Comparison:
-    """The noise-model assertion: the run's distance (from its sums) within BF16_NOISE_RATIO x the baseline's;
-    `group` is the parameter group judged (diagnosis.GROUPS)."""
+          group: str = "", precision: str = "bf16") -> Comparison:
+    """The noise-model assertion: the run's distance (from its sums) within BF16_NOISE_RATIO x the baseline's
+    in the same `precision` ("bf16", "fp16"); `group` is the parameter group judged (diagnosis.GROUPS)."""
     d_run, d_base = distance(run), distance(baseline)
     ok = d_run <= BF16_NOISE_RATIO * d_base
     allowed = BF16_NOISE_RATIO * d_base
     used = d_run / allowed if allowed > 0 else (0.0 if d_run == 0 else math.inf)
-    return assertion(f"{tag}: bf16 noise model: {what}'s distance from fp32 {d_run:.3g} <= "
-                     f"{BF16_NOISE_RATIO:g} x bf16 on one process ({d_base:.3g})", ok, rank=rank, group=group,
+    return assertion(f"{tag}: {precision} noise model: {what}'s distance from fp32 {d_run:.3g} <= "
+                     f"{BF16_NOISE_RATIO:g} x {precision} on one process ({d_base:.3g})", ok, rank=rank, group=group,
                      note=f"ratio {d_run / d_base:.3g}" if d_base > 0 else "no baseline distance", used=used)

@@ -56,8 +56,15 @@ def _failures(rows: list[dict], version: str) -> dict[str, str]:
     return out
 
 
+ROWS_BEFORE_HALF = ("deepspeed/moe.layer.MoE/*", "deepspeed/engine/*/w2", *(f"deepspeed/engine/*/w2/{f}" for f in (
+    "grad-accum", "clip", "bf16", "top-2", "drops", "residual")))
+"""The rows these findings were measured on (34 at W = 2): the fp16 and bf16 + clipping rows (issue 31) are not yet
+characterised on the older releases."""
+
+
 def _run(folder: Path, tmp_path: Path) -> list[dict]:
-    return _rows(cli(folder, "--library", "deepspeed", "-n", "2", "--json", results=tmp_path))
+    rows = [a for p in ROWS_BEFORE_HALF for a in ("--row", p)]
+    return _rows(cli(folder, "--library", "deepspeed", "-n", "2", "--json", *rows, results=tmp_path))
 
 
 CLIP_NORM_FINDING = {"engine/zero0/ep=2/w2/clip": "global-norm"}

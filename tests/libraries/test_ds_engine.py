@@ -24,7 +24,8 @@ import ds_faults  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 DS_API_PARAMS = ("zero_stage", "ep_size", "grad_accum", "clip", "precision", "top_k", "drop_tokens",
-                 "use_residual", "steps", "loss_multiplier")
+                 "use_residual", "steps", "loss_multiplier", "loss_scale", "initial_scale_power", "loss_scale_window",
+                 "hysteresis", "consecutive_hysteresis", "min_loss_scale", "overflow_step")
 
 
 def _rows(world_size: int, keys: list[str]) -> dict[str, dict]:
@@ -45,22 +46,28 @@ def test_the_w4_matrix_has_every_stage_ep_size_and_feature_once():
     from moebench.libraries.deepspeed import ADAPTER
 
     rows = [r for r in ADAPTER.rows(4) if r.model == "engine"]
-    assert len(rows) == 3 * 3 * 4 + 3 * 3 == 45
+    assert len(rows) == 3 * 3 * 8 + 3 * 5 == 87
     assert len({r.key() for r in rows}) == len(rows)
     for r in rows:
         params = r.settings.fields()
         assert tuple(params) == DS_API_PARAMS
         assert (r.backend, r.ep_mode) == (f"zero{params['zero_stage']}", f"ep={params['ep_size']}")
-        assert len(r.features) <= 1 and r.variant == "+".join(r.features)
+        assert r.variant == "+".join(r.features)
+        assert bool(r.note) == (params["precision"] == "fp16")  # "fp16 on CPU (...): not a GPU run"
     combos = {(r.settings.zero_stage, r.settings.ep_size, r.features) for r in rows}
     for stage in (0, 1, 2):
         for ep in (4, 2, 1):
-            for feature in ((), ("grad-accum",), ("clip",), ("bf16",)):
+            for feature in ((), ("grad-accum",), ("clip",), ("bf16",), ("clip", "bf16"), ("fp16",),
+                            ("clip", "fp16"), ("grad-accum", "fp16")):
                 assert (stage, ep, feature) in combos
-        for option in ("top-2", "drops", "residual"):
-            assert (stage, 4, (option,)) in combos
+        for option in (("top-2",), ("drops",), ("residual",), ("fp16", "static-scale"), ("fp16", "overflow")):
+            assert (stage, 4, option) in combos
     clip = next(r for r in rows if r.features == ("clip",))
     assert clip.settings.clip == ds_engine.CLIP and clip.settings.grad_accum == 1
+    static = next(r for r in rows if "static-scale" in r.features)
+    assert static.settings.loss_scale == ds_engine.STATIC_SCALE and static.settings.precision == "fp16"
+    overflow = next(r for r in rows if "overflow" in r.features)
+    assert (overflow.settings.overflow_step, overflow.settings.hysteresis, overflow.settings.loss_scale) == (1, 1, 0)
 
 
 def test_a_user_config_gives_one_plain_row_per_ep_size():
@@ -97,26 +104,34 @@ def test_a_clip_that_does_not_bind_is_named_as_such_not_as_a_wrong_step():
 
 def _bf16_view(grad_scale: dict[str, float], update_passed: bool | None) -> ds_mechanisms.StepView:
     """A bf16 row's first failing step: each group's reported gradient is the reference's x its factor (plus
-    bf16-sized noise); the noise model's gradient judgement failed, its applied-update judgement as given."""
+    bf16-sized noise); the noise model's gradient judgement failed, its applied-update judgement as given (the
+    update then right, or x 65536 like the gradient)."""
     import torch
 
+    from moebench.parity import noisemath
     from moebench.parity.compare import assertion
 
     g = torch.Generator().manual_seed(0)
-    names = {"experts": "moe.moe.deepspeed_moe.experts.deepspeed_experts.0.weight",
-             "gate": "moe.moe.deepspeed_moe.gate.wg.weight", "dense": "inp.weight"}
-    grads = {}
-    for group, factor in grad_scale.items():
+
+    def sums(factor: float) -> list[float]:
         e = torch.randn(8, 8, generator=g, dtype=torch.float64)
-        grads[names[group]] = (factor * e * (1 + 1e-3 * torch.randn(8, 8, generator=g, dtype=torch.float64)), e)
+        return noisemath.sums([(factor * e * (1 + 1e-3 * torch.randn(8, 8, generator=g, dtype=torch.float64)),
+                                e)]).tolist()
+
     comparisons = [assertion("ZeRO 0, step 1: bf16 noise model: reduced gradient's distance from fp32 6.55e+04 <= "
                              "4 x bf16 on one process (0.00377)", False, note="ratio 1.74e+07")]
+    half = {"precision": "bf16", "scale": 1.0, "clip": 0.0, "update": {}, "update_base": {},
+            "grad": {group: sums(factor) for group, factor in grad_scale.items()},
+            "grad_base": {group: sums(1.0) for group in grad_scale},
+            "group_norms": {group: 1.0 for group in grad_scale}}
     if update_passed is not None:
         comparisons.append(assertion("ZeRO 0, step 1: bf16 noise model: applied update (fp32 masters)'s distance "
                                      "from fp32 0.005 <= 4 x bf16 on one process (0.004)", update_passed))
+        half.update(update={group: sums(1.0 if update_passed else 65536.0) for group in grad_scale},
+                    update_base={group: sums(1.0) for group in grad_scale})
     sizes = ds_mechanisms.GroupSizes(world=2, dp=2, ep=2, edp=1, grad_accum=1)
-    return ds_mechanisms.StepView(settings={}, sizes=sizes, step=1, rank=0, comparisons=comparisons, grads=grads,
-                                  updates={}, afters={}, wrong=set(), norm=None, per_slice=[], ref_grad={})
+    return ds_mechanisms.StepView(settings={}, sizes=sizes, step=1, rank=0, comparisons=comparisons, grads={},
+                                  updates={}, afters={}, wrong=set(), norm=None, per_slice=[], ref_grad={}, half=half)
 
 
 def test_a_bf16_loss_scale_left_in_the_reported_gradient_is_named_and_says_whether_training_is_right():
@@ -126,7 +141,8 @@ def test_a_bf16_loss_scale_left_in_the_reported_gradient_is_named_and_says_wheth
     view = _bf16_view({"experts": 65438.9, "gate": 65531.2, "dense": 65569.8}, update_passed=True)
     finding = ds_mechanisms.analyse(view)
     assert finding["name"] == "loss-scale", finding
-    assert "every reduced gradient scaled by 6.55e+04 (bf16)" in finding["sentence"]
+    assert "every reported gradient is 6.55" in finding["sentence"] and "x the reference's (bf16)" \
+        in finding["sentence"]
     assert finding["sentence"].endswith("so the training is right and only the gradient DeepSpeed reports "
                                         "(safe_get_full_grad) is wrong")
     wrong_update = ds_mechanisms.analyse(_bf16_view({"experts": 65536.0, "gate": 65536.0, "dense": 65536.0}, False))
@@ -215,8 +231,14 @@ def test_a_partition_copied_back_to_the_wrong_parameter_is_named(monkeypatch):
 # ------------------------------------------------------------------ slow: the whole W = 4 matrix
 
 
-FINDINGS_W4 = {"zero0/ep=4/w4/clip", "zero0/ep=2/w4/clip"}
-"""The rows DeepSpeed 0.19.8 fails here (its ZeRO 0 clip norm; deepspeedai/DeepSpeed#8475)."""
+FINDINGS_W4 = {
+    **{f"zero0/ep={ep}/w4/clip": "global-norm" for ep in (4, 2)},  # its ZeRO 0 clip norm: DeepSpeed#8475
+    **{f"zero0/ep={ep}/w4/clip+bf16": "clip-norm-without-group" for ep in (4, 2, 1)},  # PR #8613
+    **{f"zero0/ep={ep}/w4/{f}": "loss-scale-never-applied" for ep in (4, 2, 1)  # PR #8393
+       for f in ("fp16", "clip+fp16", "grad-accum+fp16")},
+    "zero0/ep=4/w4/fp16+static-scale": "loss-scale-never-applied", "zero0/ep=4/w4/fp16+overflow":
+        "loss-scale-never-applied"}
+"""The rows DeepSpeed 0.19.8 fails here, and their diagnoses."""
 
 
 @pytest.mark.slow
@@ -229,14 +251,14 @@ def test_the_w4_matrix_through_the_cli_json(tmp_path):
                           capture_output=True, text=True, env=env, timeout=600)
     rows = {r["check"].removeprefix("deepspeed/engine/"): r for r in json.loads(proc.stdout)["rows"]}
     engine = {k: r for k, r in rows.items() if "/" in k and k.startswith("zero")}
-    assert len(engine) == 45
+    assert len(engine) == 87
     for key, row in engine.items():
         for field in ("library", "version", "zero_stage", "ep_size", "world_size", "features", "verdict",
                       "diagnosis"):
             assert field in row
         if key in FINDINGS_W4:
-            assert row["verdict"] == "fail" and row["diagnosis_name"] == "global-norm", key
-            assert "MEAN over ranks" in row["diagnosis"]
+            assert row["verdict"] == "fail" and row["diagnosis_name"] == FINDINGS_W4[key], (key, row["diagnosis"])
+            assert "first divergence at ZeRO 0, step 1" in row["diagnosis"], key
         else:
             assert row["verdict"] == "pass", (key, row["diagnosis"])
 

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from moebench.cli.app import app
 from moebench.errors import UserError
-from moebench.libraries.deepspeed.user_config import DEFAULTS, read_user_config
+from moebench.libraries.deepspeed.user_config import DEFAULTS, FP16_DEFAULTS, TRAINER_AUTO, read_user_config
 from moebench.libraries.records import WIDTH
 
 USER = {
@@ -60,7 +60,18 @@ def test_an_empty_file_verifies_deepspeeds_defaults_and_still_names_the_optimize
 
 @pytest.mark.parametrize("doc, settings, note", [
     ({"zero_optimization": {"stage": 3}}, {"zero_stage": 2}, "zero_optimization.stage=3: DeepSpeed's MoE refuses"),
-    ({"fp16": {"enabled": True}}, {"precision": "fp32"}, "fp16.enabled: not honoured"),
+    ({"fp16": {"enabled": True}}, {"precision": "fp16", **FP16_DEFAULTS}, None),
+    ({"fp16": {"enabled": True, "loss_scale": 128, "auto_cast": True}},
+     {"precision": "fp16", **FP16_DEFAULTS, "loss_scale": 128.0}, "fp16.auto_cast=true: not honoured"),
+    ({"fp16": {"enabled": True, "hysteresis": 1, "initial_scale_power": 12, "loss_scale_window": 5,
+               "consecutive_hysteresis": True, "min_loss_scale": 4}},
+     {"precision": "fp16", "loss_scale": 0.0, "hysteresis": 1, "initial_scale_power": 12, "loss_scale_window": 5,
+      "consecutive_hysteresis": True, "min_loss_scale": 4}, None),
+    ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}, {"precision": "bf16"},
+     "bf16.bf16_master_weights_and_grads=true: not honoured; the rows keep fp32 masters"),
+    ({"bf16": {"enabled": True, "immediate_grad_update": True}}, {"precision": "bf16"},
+     "bf16.immediate_grad_update=true: not honoured; DeepSpeed's default (false) is used"),
+    ({"fp16": {"enabled": False, "auto_cast": True}}, {}, None),  # a section that is off is not read further
     ({"bfloat16": {"enabled": True}}, {"precision": "bf16"}, None),
     ({"gradient_accumulation_steps": "auto"}, {"grad_accum": 1}, 'gradient_accumulation_steps="auto"'),
     ({"gradient_clipping": 0.04, "zero_optimization": {"stage": 1}}, {"clip": 0.04, "zero_stage": 1}, None),
@@ -79,23 +90,85 @@ def test_what_is_not_honoured_is_replaced_and_named(tmp_path, doc, settings, not
 
 BAD = [
     ('{"zero_optimization": ', "is not valid JSON"),
-    ({"zero_optimization": {"stage": "two"}}, "zero_optimization.stage=\"two\""),
-    ({"zero_optimization": {"stage": 4}}, "stages are 0-3"),
+    ({"zero_optimization": {"stage": "two"}}, "zero_optimization.stage in"),
+    ({"zero_optimization": {"stage": 4}}, "must be at most 3 (DeepSpeed's stages), got 4"),
     ({"zero_optimization": [2]}, "must be a JSON object"),
-    ({"gradient_clipping": -1}, "gradient_clipping=-1"),
-    ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps=0"),
+    ({"gradient_clipping": -1}, "gradient_clipping in"),
+    ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps in"),
     ({"gradient_accumulation_steps": 1.5}, "must be a whole number"),
-    ({"bf16": {"enabled": "yes"}}, "bf16 in"),
+    ({"gradient_accumulation_steps": 10**21}, "must be at most 1024"),
+    ({"bf16": {"enabled": "yes"}}, "bf16.enabled in"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "enables both fp16 and bf16"),
-    ([1, 2], "must hold a JSON object"),
+    ({"fp16": {"enabled": True, "loss_scale": -1}}, "fp16.loss_scale in"),
+    ({"fp16": {"enabled": True, "hysteresis": 0}}, "fp16.hysteresis in"),
+    ({"fp16": {"enabled": True, "initial_scale_power": 65}}, "must be at most 64"),
+    ({"fp16": {"enabled": "auto", "loss_scale": "auto"}}, "fp16.loss_scale in"),  # the Trainer fills only enabled
+    ([1, 2], "holds a list, not a JSON object"),
+    ("null", "holds null, not a JSON object"),
+    ('{"a": 1, "a": 2}', "gives the key 'a' twice"),
+    ({"optimizer": {"type": "os.system"}}, "is neither a DeepSpeed optimizer"),
+    ({"scheduler": {"type": "Frobnicate"}}, "is not one of DeepSpeed's schedulers"),
 ]
+
+
+def test_comments_are_read_as_deepspeed_reads_them(tmp_path):
+    settings, _ = read_user_config(_file(tmp_path, '// my run\n{"zero_optimization": {"stage": 1}, # ZeRO\n}'))
+    assert settings["zero_stage"] == 1
+
+
+def test_fp16_defaults_are_deepspeeds_own():
+    from deepspeed.runtime.precision_config import DeepSpeedFP16Config
+
+    fields = DeepSpeedFP16Config.model_fields
+    assert FP16_DEFAULTS == {k: fields[k].default for k in FP16_DEFAULTS}
+
+
+def test_the_trainers_defaults_are_transformers_own():
+    transformers = pytest.importorskip("transformers")
+    fields = {f.name: f.default for f in __import__("dataclasses").fields(transformers.TrainingArguments)}
+    for dotted, (argument, default) in TRAINER_AUTO.items():
+        names = [a.removeprefix("--") for a in argument.split() if a.startswith("--")]
+        if default is None or not names:
+            continue
+        got = [fields[n] for n in names]
+        assert (got if len(got) > 1 else got[0]) == default, (dotted, got)
+
+
+TEMPLATE = {  # the Hugging Face Trainer's ZeRO 2 template (docs: "DeepSpeed" integration)
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                 "warmup_num_steps": "auto"}},
+    "zero_optimization": {"stage": 2, "allgather_partitions": True, "allgather_bucket_size": 2e8,
+                          "overlap_comm": True, "reduce_scatter": True, "reduce_bucket_size": 2e8,
+                          "contiguous_gradients": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+}
+
+
+def test_every_auto_of_the_trainers_template_is_filled_as_the_trainer_does_one_line_per_key(tmp_path):
+    settings, notes = read_user_config(_file(tmp_path, TEMPLATE))
+    assert settings == {"zero_stage": 2, "clip": 1.0, "grad_accum": 1, "precision": "fp32"}
+    for key, shown in (("fp16.enabled", "off"), ("bf16.enabled", "off"), ("gradient_clipping", "1"),
+                       ("gradient_accumulation_steps", "1")):
+        line = _note(notes, f'{key}="auto": filled as the Hugging Face Trainer fills it')
+        assert f"verifying {shown}" in line
+    assert "write true to verify fp16" in _note(notes, 'fp16.enabled="auto"')
+    unused = _note(notes, '"auto" (the Trainer fills these from its arguments; the rows do not use them)')
+    assert "optimizer.params.lr (--learning_rate)" in unused and "train_batch_size" in unused
+    on = {**TEMPLATE, "fp16": {**TEMPLATE["fp16"], "enabled": True}}
+    settings, _ = read_user_config(_file(tmp_path, on, name="on.json"))
+    assert settings == {"zero_stage": 2, "clip": 1.0, "grad_accum": 1, "precision": "fp16", **FP16_DEFAULTS}
 
 
 @pytest.mark.parametrize("doc, needle", BAD)
 def test_a_bad_value_is_a_user_error_naming_the_flag(tmp_path, doc, needle):
     with pytest.raises(UserError) as err:
         read_user_config(_file(tmp_path, doc))
-    assert err.value.flag == "--ds-config" and needle in str(err.value)
+    assert err.value.flag == "--ds-config" and needle in str(err.value), str(err.value)
 
 
 def _invoke(*args):
@@ -108,6 +181,9 @@ def _nothing_written() -> bool:
 
 @pytest.mark.parametrize("doc, extra, needle", [
     (BAD[1][0], (), BAD[1][1]),
+    ("null", (), "holds null, not a JSON object"),
+    ({"optimizer": {"type": "os.system"}}, (), "is neither a DeepSpeed optimizer"),
+    ({"gradient_accumulation_steps": 10**21}, (), "must be at most 1024"),
     (BAD[0][0], (), BAD[0][1]),
     ({}, ("--checks", "deepspeed-moe-ep"), "not checks; drop --checks or --ds-config"),
     ({}, ("--library", "fairscale"), "add deepspeed to --library or drop --ds-config"),

@@ -126,7 +126,8 @@ def test_a_script_imports_only_the_stdlib_torch_and_the_library(make):
 def test_rows_without_an_engine_script_get_none():
     plain = Row(library="deepspeed", model="engine", backend="zero0-2", ep_mode="ep=2", world_size=2)
     assert ds_repro.script(plain, 0) is None  # the wrapped check's row
-    assert ds_repro.script(ds_row(precision="bf16"), 0) is None
+    half = ds_repro.script(ds_row(precision="bf16"), 0)  # judged by the noise model, as the tool does
+    assert half is not None and "def judge_results(results):" in half
     assert repro.script_name(ds_row().key()) == "deepspeed__engine__zero1__ep=2__w2.py"
     if importlib.util.find_spec("transformers") is not None:  # bf16 rows are judged by a noise model, not per element
         from moebench.libraries.transformers import ADAPTER
@@ -365,19 +366,30 @@ def test_cli_writes_the_script_of_each_failing_row_and_lists_it(tmp_path):
 
 
 def _figures(text: str) -> list[str]:
-    """The figures of a global-norm finding, in order: from "reduced gradients right" to the norm over every
-    parameter (the common factors or the engine's norms, the norm it used, the reference's)."""
+    """The figures of a finding, in order: of a global-norm finding from "reduced gradients right" to the norm over
+    every parameter (the common factors or the engine's norms, the norm it used, the reference's); of a
+    half-precision one from "every" (reported gradient, update) to the end of its sentence (the factor, the loss
+    scale, the norms and the factor they predict)."""
     flat = " ".join(text.split())
-    start = flat.lower().index("reduced gradients right")
-    end = flat.index(")", flat.index("every parameter (", start))
-    return re.findall(r"\d+\.\d+", flat[start:end])
+    if "reduced gradients right" in flat.lower():
+        start = flat.lower().index("reduced gradients right")
+        end = flat.index(")", flat.index("every parameter (", start))
+    else:
+        start = flat.index("every ", flat.index("first divergence"))
+        end = min(i for i in (flat.find("; 4 other", start), flat.find("; 8 other", start), flat.find("(exit", start),
+                              len(flat)) if i >= 0)
+    return re.findall(r"\d+(?:\.\d+)?(?:e[-+]\d+)?", flat[start:end])
 
 
 @pytest.mark.multirank
 @pytest.mark.faults
 @pytest.mark.parametrize("key,fault", [
     ("deepspeed/engine/zero0/ep=2/w2/clip", None),  # DeepSpeed#8475 on the pinned release
+    ("deepspeed/engine/zero0/ep=2/w2/clip+bf16", None),  # PR #8613: the clip norm without the expert gradients
+    pytest.param("deepspeed/engine/zero0/ep=2/w2/fp16+static-scale", None, marks=pytest.mark.slow),  # PR #8393
     pytest.param("deepspeed/engine/zero1/ep=2/w2/clip", "ds_faults:local-global-norm", marks=pytest.mark.slow),
+    pytest.param("deepspeed/engine/zero2/ep=2/w2/fp16+static-scale", "ds_half_faults:loss-scale-twice",
+                 marks=pytest.mark.slow),
 ])
 def test_the_tool_and_its_script_print_the_same_figures(tmp_path, key, fault):
     """One source of numbers: `--row KEY --repro DIR` and the script it writes, run standalone, name the same
@@ -391,7 +403,8 @@ def test_the_tool_and_its_script_print_the_same_figures(tmp_path, key, fault):
                           capture_output=True, timeout=SCRIPT_TIMEOUT_S)
     assert tool.returncode == 1, tool.stderr[-3000:]
     (row,) = json.loads(tool.stdout)["rows"]
-    assert row["diagnosis_name"] == "global-norm" and row["rerun"].endswith(f"--row {key}")
+    assert row["diagnosis_name"] in ("global-norm", "clip-norm-without-group", "loss-scale-never-applied",
+                                     "loss-scale-twice") and row["rerun"].endswith(f"--row {key}")
     script = tmp_path / "scripts" / repro.script_name(key)
     done, tag = run_script(script, tmp_path, fault=fault)
     assert done.returncode == 1, done.stdout + done.stderr[-3000:]

@@ -20,8 +20,12 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.multirank]
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "rows_w2.json"
-ADDED = {"fairscale": {"experts_per_rank"}}
-"""Record fields the move added, per library."""
+ADDED = {"fairscale": {"experts_per_rank"},
+         "deepspeed": {"loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+                       "consecutive_hysteresis", "min_loss_scale", "overflow_step"}}
+"""Record fields the move added, per library (DeepSpeed's: the fp16 section of issue 31, in every engine row)."""
+HALF_ROWS = ("fp16", "clip+bf16")
+"""Rows issue 31 added after the golden was written (DeepSpeed's fp16 rows and bf16 with clipping): not in it."""
 PINNED = {"deepspeed": "0.19.8", "transformers": "5.23.0", "fairscale": "0.4.13"}
 
 
@@ -39,9 +43,11 @@ def test_every_row_is_what_it_was_before_the_move(tmp_path):
     summary = json.loads(done.stdout)
     checks = {c["name"]: c for c in summary["checks"]}
     golden = json.loads(GOLDEN.read_text())["rows"]
-    assert [r["check"] for r in summary["rows"]] == [g["check"] for g in golden]
-    for row, want in zip(summary["rows"], golden):
-        added = ADDED.get(row["library"], set())
+    rows = [r for r in summary["rows"] if not any(h in r["check"].rsplit("/", 1)[-1] for h in HALF_ROWS)]
+    assert [r["check"] for r in rows] == [g["check"] for g in golden]
+    for row, want in zip(rows, golden):
+        engine = row["model"] == "engine" or row["library"] != "deepspeed"  # the layer row has no fp16 fields
+        added = ADDED.get(row["library"], set()) if engine else set()
         labels = {k: v for k, v in row.items() if k not in ("version", "verdict", "diagnosis", "diagnosis_name",
                                                              "elapsed_s", "check") and k not in added}
         assert (row["verdict"], row["diagnosis_name"], labels) == (want["verdict"], want["diagnosis_name"],

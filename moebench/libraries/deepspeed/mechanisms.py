@@ -15,7 +15,10 @@ every rank calls `analyse` on what it holds; `combine` picks the earliest phase 
 - global-norm: reduced gradients right, every update scaled by one common factor (per ZeRO partition
   or rank): the global gradient norm or the clip coefficient differs;
 - partition-copy-back: reduced gradients right, applied step wrong: partitioning or the copy back;
-- bf16-noise: a bf16 row's gradient farther from float32 than the noise model allows, no group scale.
+- half precision (bf16, fp16 rows; halfmath.half_reading, one common factor fitted per group before anything is
+  called noise): loss-scale-never-applied, loss-scale-twice, loss-scale (left in the reported gradient),
+  expert-grad-scale, clip-norm-without-group, global-norm; else bf16-noise / fp16-noise;
+- overflow-skip: an fp16 step skipped (or applied) where the one-process fp16 run does not (does) overflow.
 
 The finding becomes the row's first comparison, marked diagnose.FIRST_DIVERGENCE, so the row's
 diagnosis headlines it and counts every later difference as its consequence.
@@ -28,19 +31,30 @@ from typing import Any
 
 import torch
 
+from moebench.libraries.deepspeed.halfmath import half_reading
 from moebench.libraries.deepspeed.names import group as _group
 from moebench.libraries.deepspeed.names import label as _label
-from moebench.libraries.deepspeed.rowmath import common_factors, implied_norm, which_norm
-from moebench.parity import noise
+from moebench.libraries.deepspeed.rowmath import (
+    common_factors,
+    group_norms,
+    implied_norm,
+    which_norm,
+    without_group,
+)
 from moebench.parity.compare import Comparison
 from moebench.parity.diagnose import FIRST_DIVERGENCE, SCALE_FIT_RTOL
 from moebench.parity.diagnosis import (
     ACCUM_BOUNDARY,
     BF16_NOISE,
+    CLIP_NORM_WITHOUT_GROUP,
     EXPERT_GRAD_SCALE,
     FORWARD_DIFFERS,
+    FP16_NOISE,
     GLOBAL_NORM,
     LOSS_SCALE,
+    LOSS_SCALE_NEVER_APPLIED,
+    LOSS_SCALE_TWICE,
+    OVERFLOW_SKIP,
     PARTITION_COPY_BACK,
     REDUCED_GRAD_WRONG,
     UNEXPLAINED,
@@ -110,6 +124,8 @@ class StepView:
     ref_grad: dict[str, torch.Tensor]
     ref_norm: float = 0.0
     """The reference's global gradient norm (every parameter, each expert once)."""
+    half: dict | None = None
+    """A half-precision step's per-group sums (half.step_judgement's view), what halfmath.half_reading reads."""
 
     def own_norm(self) -> float:
         """The reference gradient's norm over this rank's own parameters only (its experts alone)."""
@@ -167,6 +183,13 @@ def analyse(v: StepView) -> dict[str, Any] | None:
     if not failed:
         return None
     tag = f"step {v.step}"
+    skips = [c for c in failed if "on overflow" in c.name or "step applied" in c.name]
+    if skips:
+        why = _half_reading(v)
+        if why is not None and why["name"] in (LOSS_SCALE_NEVER_APPLIED, LOSS_SCALE_TWICE):
+            return _finding(why["phase"], why["name"], why["sentence"], f"{tag}, all groups", factor=why["factor"])
+        return _finding("update", OVERFLOW_SKIP, f"{skips[0].name.split(': ', 1)[-1]}: {skips[0].note}",
+                        f"{tag}, all groups")
     setup = [c for c in failed if c.kind == "equal" and "noise model" not in c.name]
     if setup:  # the row's own premise (the clip binds, capacity drops routes) does not hold
         return _finding("loss", VACUOUS_ROW, f"{setup[0].name.split(': ', 1)[-1]}: {setup[0].note}",
@@ -176,19 +199,19 @@ def analyse(v: StepView) -> dict[str, Any] | None:
         what = losses[0].name.split(": ", 1)[1]
         return _finding("loss", FORWARD_DIFFERS, f"the loss differs before any gradient ({what}): the model, "
                         "its weights or its routing differ", f"{tag}, output")
-    noise_failed = [c for c in failed if "bf16 noise model: reduced gradient" in c.name] or \
-        [c for c in failed if "bf16 noise model" in c.name]
+    noise_failed = [c for c in failed if "noise model" in c.name]
     if noise_failed:
-        return _bf16_finding(v, noise_failed[0], tag)
+        return _half_finding(v, noise_failed[0], tag)
     wrong = {n: ae for n, ae in v.grads.items() if ("grad", n) in v.wrong}
     if wrong:
         return _grad_finding(v, wrong, tag)
     if v.norm is not None and ("norm", "") in v.wrong:
         ratio = v.norm[0] / v.norm[1] if v.norm[1] else float("inf")
-        return _finding("global norm", GLOBAL_NORM,
+        left_out = without_group(v.norm[0], group_norms(v.ref_grad))
+        return _finding("global norm", CLIP_NORM_WITHOUT_GROUP if left_out else GLOBAL_NORM,
                         f"reduced gradients right; the engine's global gradient norm is {v.norm[0]:.4g} on rank "
                         f"{v.rank}, the reference's {v.norm[1]:.4g} (x {ratio:.4g}): the clip coefficient "
-                        "differs, so every update is scaled by it", f"{tag}, all groups", ratio=ratio,
+                        "differs, so every update is scaled by it" + left_out, f"{tag}, all groups", ratio=ratio,
                         engine_norm=v.norm[0], ref_norm=v.norm[1], own_norm=v.own_norm())
     wrong_updates = {n: ae for n, ae in v.updates.items() if ("update", n) in v.wrong}
     if not wrong_updates:
@@ -230,32 +253,33 @@ def _grad_finding(v: StepView, wrong: dict, tag: str) -> dict[str, Any]:
                     diagnosis=d["name"])
 
 
-def _bf16_finding(v: StepView, noise_failed, tag: str) -> dict[str, Any]:
-    """A bf16 row farther from fp32 than the noise model allows: a group scaled by one factor is named as in
-    fp32 (with a looser fit: bf16 noise), else the distance is the finding. When only the reduced gradient
-    DeepSpeed reports is wrong and the update it applied to the fp32 masters is right, the sentence says so:
-    what is wrong is the reported gradient, not the training."""
-    groups = {g: noise.sums(ae for n, ae in v.grads.items() if _group(n) == g) for g in ("experts", "dense", "gate")}
-    present = {g for g, s in groups.items() if s[2] > 0}  # the groups with a nonzero reference gradient
-    scaled, right = noise.scaled_groups({g: groups[g] for g in present})
-    update = [c for c in v.comparisons if "bf16 noise model: applied update" in c.name]
-    training = ("; the update the optimizer applied to the fp32 masters is right within the noise, so the "
-                "training is right and only the gradient DeepSpeed reports (safe_get_full_grad) is wrong"
-                if "reduced gradient" in noise_failed.name and update and update[0].passed else "")
-    if set(scaled) == {"experts"} and right == present - {"experts"}:
-        k = scaled["experts"]
-        why = v.sizes.explain(k)
-        return _finding("reduced gradient", EXPERT_GRAD_SCALE,
-                        f"expert gradients scaled by {k:.3g} (bf16; dense and gate right within the noise): "
-                        + ("; ".join(why) or "no group size of this row gives it") + training, f"{tag}, experts",
-                        scale=k, explanations=why)
-    k = noise.common_factor(scaled)
-    if k is not None and set(scaled) == present:
-        return _finding("reduced gradient", LOSS_SCALE,
-                        f"every reduced gradient scaled by {k:.3g} (bf16): the loss scale (or 1/grad_accum) is not "
-                        "undone, or undone twice" + training, f"{tag}, all groups", scale=k)
-    return _finding("reduced gradient", BF16_NOISE,
-                    f"{noise_failed.name.split(': ', 1)[1]}: {noise_failed.note}{training}", f"{tag}, all groups")
+def _half_reading(v: StepView) -> dict[str, Any] | None:
+    """halfmath.half_reading of a half-precision step's view (None without one, or when nothing explains it)."""
+    h = v.half
+    if not h:
+        return None
+    as_sums = {k: {g: torch.tensor(t, dtype=torch.float64) for g, t in h.get(k, {}).items()}
+               for k in ("grad", "grad_base", "update", "update_base")}
+    return half_reading(precision=h["precision"], scale=h["scale"], clip=h["clip"], group_norms=h["group_norms"],
+                        **as_sums)
+
+
+def _half_finding(v: StepView, noise_failed, tag: str) -> dict[str, Any]:
+    """A half-precision step the noise model fails: the mechanism one common factor names (halfmath.half_reading),
+    with the group sizes that give an expert-only scale; else the distance itself (bf16-noise / fp16-noise)."""
+    h = v.half or {}
+    reading = _half_reading(v)
+    if reading is None:
+        name = FP16_NOISE if h.get("precision") == "fp16" else BF16_NOISE
+        return _finding("reduced gradient", name, f"{noise_failed.name.split(': ', 1)[1]}: {noise_failed.note}",
+                        f"{tag}, all groups")
+    details = {k: val for k, val in reading.items() if k not in ("phase", "name", "sentence")}
+    if reading["name"] == EXPERT_GRAD_SCALE:
+        why = v.sizes.explain(reading["factor"])
+        return _finding(reading["phase"], EXPERT_GRAD_SCALE, f"{reading['sentence']}: "
+                        + ("; ".join(why) or "no group size of this row gives it"), f"{tag}, experts",
+                        scale=reading["factor"], explanations=why)
+    return _finding(reading["phase"], reading["name"], reading["sentence"], f"{tag}, all groups", **details)
 
 
 def _update_finding(v: StepView, wrong: dict, tag: str, *, grads_read: bool) -> dict[str, Any]:

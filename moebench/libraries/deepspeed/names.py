@@ -7,6 +7,7 @@ global expert by moebench.parity.layout (contiguous: ep rank e holds experts e*L
 
 from __future__ import annotations
 
+from moebench.libraries.deepspeed.rowmath import param_group
 from moebench.models.deepspeed_moe import TINY_EXPERT_PREFIX as EXPERT_PREFIX
 from moebench.parity.diagnosis import EXPERTS, REPLICATED, ROUTER
 from moebench.parity.layout import ExpertLayout
@@ -33,12 +34,8 @@ def label(name: str) -> str:
 
 
 def group(name: str) -> str:
-    """The parameter group of a (global) name: experts, gate, dense."""
-    if name.startswith(EXPERT_PREFIX):
-        return "experts"
-    if ".gate." in name:
-        return "gate"
-    return "dense"
+    """The parameter group of a (global) name: experts, gate, dense (rowmath.param_group: the repro script's too)."""
+    return param_group(name)
 
 
 DIAGNOSIS_GROUP = {"experts": EXPERTS, "gate": ROUTER, "dense": REPLICATED}

@@ -1,5 +1,5 @@
 """The settings of a DeepSpeed row's standalone reproduction script (libraries/repro: templates
-deepspeed_engine.py and deepspeed_resume.py).
+deepspeed_engine.py, deepspeed_half.py and deepspeed_resume.py).
 
 An engine row's script trains the row's engine and the one-process reference step by step and prints the
 first quantity that differs; a resume row's saves, loads into a fresh engine built from another seed (in the
@@ -21,14 +21,14 @@ DEADLINE_S = 300
 
 
 def script(row: Row, seed: int) -> str | None:
-    """The script of an engine or a resume row; None for the layer row, and for a bf16 engine row (its judge
-    is the noise model; a per-element tolerance is meaningless there)."""
+    """The script of an engine or a resume row (a half-precision engine row's judges by the noise model, as the
+    tool does: templates/deepspeed_half.py); None for the layer row."""
     if row.kind == RESUME:
         return _resume_script(row, seed)
-    if row.kind != "engine" or row.settings.precision != "fp32":
+    if row.kind != "engine":
         return None
     settings = {**dataclasses.asdict(row.settings), "world_size": row.world_size, "seed": seed}
-    return fill("deepspeed_engine", settings, key=row.key())
+    return fill("deepspeed_engine" if row.settings.precision == "fp32" else "deepspeed_half", settings, key=row.key())
 
 
 def _resume_script(row: Row, seed: int) -> str:

@@ -14,6 +14,8 @@ import types
 import torch
 from torch import nn
 
+from moebench.models.deepspeed_moe import TINY_EXPERT_PREFIX  # @PASTED@ (the script has it: tinymoe)
+
 D_MODEL = 8
 D_HIDDEN = 16
 EXPERTS_PER_RANK = 1
@@ -40,6 +42,13 @@ def moe_fields(settings, ep_size: int) -> types.SimpleNamespace:
                                  drop_tokens=settings.drop_tokens, use_rts=False, use_residual=settings.use_residual)
 
 
+HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""A half-precision row's compute dtype, by its precision."""
+FP16_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
+             "min_loss_scale")
+"""The keys of DeepSpeed's fp16 section a row sets (each a field of the row's settings, of the same name)."""
+
+
 def engine_config(settings, world: int) -> dict:
     """The DeepSpeed config a row's engine is initialised with."""
     config = {
@@ -50,13 +59,25 @@ def engine_config(settings, world: int) -> dict:
     }
     if settings.precision == "bf16":
         config["bf16"] = {"enabled": True}
+    if settings.precision == "fp16":
+        config["fp16"] = {"enabled": True, **{k: getattr(settings, k) for k in FP16_KEYS}}
     return config
 
 
-def batch(seed: int, stage: int, step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank `rank`'s slice of the global batch of optimizer step `step`, micro-step `micro`."""
+SPIKE = 1000.0
+"""An outlier target: in an overflow row's spiked batch one target element is -SPIKE, so the loss's gradient at the
+output is ~30 (2 x 1000 / 64 elements) and x the loss scale 2^16 it overflows fp16 (max 65504) by ~30x, while the
+other steps' scaled gradients stay 4-8x below it (measured: they overflow from 2^19 on)."""
+
+
+def batch(seed: int, stage: int, step: int, micro: int, rank: int, settings=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s slice of the global batch of optimizer step `step`, micro-step `micro` (an overflow row's
+    spiked step: rank 0's first micro-batch carries the SPIKE target)."""
     g = torch.Generator().manual_seed(seed * 100_003 + 10_000 * stage + 100 * step + 10 * micro + rank)
-    return torch.randn(*MICRO, D_MODEL, generator=g), torch.randn(*MICRO, D_MODEL, generator=g)
+    x, y = torch.randn(*MICRO, D_MODEL, generator=g), torch.randn(*MICRO, D_MODEL, generator=g)
+    if settings is not None and step + 1 == getattr(settings, "overflow_step", 0) and rank == micro == 0:
+        y[0, 0, 0] = -SPIKE
+    return x, y
 
 
 def loss_of(model, x, y, multiplier: float = 1.0):
@@ -87,15 +108,22 @@ class RefStep:
     """Routes dropped at capacity over every slice and micro-step."""
     routes: int
     """Routes requested over every slice and micro-step."""
+    overflow: bool = False
+    """A gradient of the scaled loss was not finite (a half-precision `compute` model's only)."""
+    skipped: bool = False
+    """No update was applied: the step overflowed (loss scaling skips it by design)."""
 
 
 def reference_step(ref: nn.Module, s, world: int, seed: int, step: int, *,
-                   compute: nn.Module | None = None) -> RefStep:
+                   compute: nn.Module | None = None, loss_scale: float = 1.0, skip: bool = False) -> RefStep:
     """One step of the reference on this process: every slice of every micro-step through the
     ep_size = 1 model, the gradient averaged as DeepSpeed's data parallelism defines it, clipped by the
     global norm, SGD applied to `ref` in place. `compute`: a low-precision copy that computes the
     gradients from `ref`'s weights (copied into it first, inputs cast to its dtype) while `ref` keeps the
-    float32 master weights (mixed precision on one process: the bf16 noise model's baseline)."""
+    float32 master weights (mixed precision on one process: the half-precision noise model's baseline); with
+    `loss_scale` it backpropagates the loss x loss_scale / grad_accum (as DeepSpeed's fp16 does) and divides the
+    gradients back in float64, and a gradient that is not finite in `compute`'s dtype is an overflow: the step is
+    then skipped. `skip`: apply no update (the mixed-precision run skipped this step on overflow)."""
     params = dict(ref.named_parameters())
     model, dtype = ref, torch.float32
     if compute is not None:
@@ -105,15 +133,18 @@ def reference_step(ref: nn.Module, s, world: int, seed: int, step: int, *,
                 p.copy_(params[n])
     used = dict(model.named_parameters())
     per_slice: list[list[dict[str, torch.Tensor]]] = [[] for _ in range(world)]
-    losses, slice_losses, dropped, routes = [], [], 0, 0
+    losses, slice_losses, dropped, routes, overflow = [], [], 0, 0, False
     for m in range(s.grad_accum):
         total = 0.0
         slice_losses.append([])
         for r in range(world):
-            x, y = batch(seed, s.zero_stage, step, m, r)
+            x, y = batch(seed, s.zero_stage, step, m, r, s)
             loss = loss_of(model, x.to(dtype), y, s.loss_multiplier)
-            grads = torch.autograd.grad(loss, list(used.values()), allow_unused=True)
-            per_slice[r].append({n: (g.double() if g is not None else torch.zeros_like(p, dtype=torch.float64))
+            scale = loss_scale / s.grad_accum if compute is not None else 1.0
+            grads = torch.autograd.grad(loss * scale if scale != 1.0 else loss, list(used.values()),
+                                        allow_unused=True)
+            overflow = overflow or any(g is not None and not bool(torch.isfinite(g).all()) for g in grads)
+            per_slice[r].append({n: (g.double() / scale if g is not None else torch.zeros_like(p, dtype=torch.float64))
                                  for (n, p), g in zip(used.items(), grads)})
             total += float(loss.detach())
             slice_losses[-1].append(float(loss.detach()))
@@ -123,13 +154,14 @@ def reference_step(ref: nn.Module, s, world: int, seed: int, step: int, *,
     grad = {n: sum(per_slice[r][m][n] for r in range(world) for m in range(s.grad_accum)) / (world * s.grad_accum)
             for n in params}
     norm = math.sqrt(sum(float((g * g).sum()) for g in grad.values()))
-    coef = min(1.0, s.clip / (norm + 1e-6)) if s.clip > 0 else 1.0
-    update = {n: -LR * coef * g for n, g in grad.items()}
+    coef = min(1.0, s.clip / (norm + 1e-6)) if s.clip > 0 and math.isfinite(norm) else 1.0
+    skipped = skip or overflow
+    update = {n: (torch.zeros_like(g) if skipped else -LR * coef * g) for n, g in grad.items()}
     with torch.no_grad():
         for n, p in params.items():
             p.add_(update[n].to(p.dtype))
     return RefStep(losses=losses, slice_losses=slice_losses, grad=grad, per_slice=per_slice, norm=norm, coef=coef,
-                   update=update, dropped=dropped, routes=routes)
+                   update=update, dropped=dropped, routes=routes, overflow=overflow, skipped=skipped)
 
 
 # ------------------------------------------------------------------ reading an update scaled by one factor
@@ -174,6 +206,38 @@ def implied_norm(clip: float, factor: float, clip_coef: float) -> float:
 NORM_MATCH_RTOL = 1e-3
 """An engine's global norm (read, or implied by its clip factor) matches a candidate norm within 0.1 %:
 clip factors are read to ~5e-4 (CLUSTER_RTOL / 4), candidates differ by >= 1 % in every case seen."""
+
+
+GROUPS = ("experts", "gate", "dense")
+"""The parameter groups: the experts, the gate, every other (replicated) one."""
+SINGULAR = {"experts": "expert", "gate": "gate", "dense": "dense"}
+
+
+def param_group(name: str) -> str:
+    """The group of a parameter's (global) name: "experts", "gate" or "dense" (every other, replicated one)."""
+    if name.startswith(TINY_EXPERT_PREFIX):
+        return "experts"
+    return "gate" if ".gate." in name else "dense"
+
+
+def group_norms(grad: dict) -> dict[str, float]:
+    """The norm of a gradient (by global name) over each group's parameters."""
+    squares = {"experts": 0.0, "gate": 0.0, "dense": 0.0}
+    for name, g in grad.items():
+        squares[param_group(name)] += float((g.double() ** 2).sum())
+    return {k: math.sqrt(v) for k, v in squares.items()}
+
+
+def without_group(norm: float, norms: dict[str, float]) -> str:
+    """The clause naming the group a norm leaves out, when `norm` is the norm of every group's but one within
+    NORM_MATCH_RTOL ("" when it is not)."""
+    full = math.sqrt(sum(n * n for n in norms.values()))
+    for group, n in norms.items():
+        rest = math.sqrt(max(full * full - n * n, 0.0))
+        if n > 0 and abs(norm - rest) <= NORM_MATCH_RTOL * rest:
+            return (f"; that is the norm of every gradient but the {SINGULAR[group]} ones ({rest:.4g}): the clip norm "
+                    f"leaves out the {SINGULAR[group]} gradients")
+    return ""
 
 
 def which_norm(engine: list[float], own: list[float], ref: float) -> str:

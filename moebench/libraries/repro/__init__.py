@@ -28,10 +28,14 @@ SETTINGS_MARKER = "# @SETTINGS@"
 INSERTS = {"@HARNESS@": ("moebench.libraries.repro", "templates/harness.py"),
            "@LAYOUT@": ("moebench.parity", "layout.py"),
            "@TINYMOE@": ("moebench.models", "deepspeed_moe.py"),
-           "@ROWMATH@": ("moebench.libraries.deepspeed", "rowmath.py")}
+           "@NOISEMATH@": ("moebench.parity", "noisemath.py"),
+           "@ROWMATH@": ("moebench.libraries.deepspeed", "rowmath.py"),
+           "@HALFMATH@": ("moebench.libraries.deepspeed", "halfmath.py")}
 """Marker -> the file pasted in its place (at most one line each): the parts of moebench a script shares with the
 tool, so both build the same model from the same seed and read it the same way. A pasted file imports only the
-stdlib, torch and the library; its `from __future__` line is left out (it must open a file)."""
+stdlib, torch and the library; its `from __future__` line is left out (it must open a file), and so is a line
+marked PASTED (an import of moebench whose names a file pasted above it defines)."""
+PASTED = "# @PASTED@"
 
 
 def script_name(key: str) -> str:
@@ -66,7 +70,7 @@ def fill(name: str, settings: dict[str, Any], *, key: str) -> str:
         elif marker is not None:
             package, path = INSERTS[marker]
             text = "".join(t for t in _text(package, path).splitlines(keepends=True)
-                           if not t.startswith("from __future__ import"))
+                           if not t.startswith("from __future__ import") and PASTED not in t)
             out.append(f"# ---- pasted from {package.replace('.', '/')}/{path}\n{text}# ----\n")
         else:
             out.append(line)

@@ -1,4 +1,6 @@
-"""--ds-config: a user's DeepSpeed JSON, read defensively and merged under moebench's flags.
+"""--ds-config: a user's DeepSpeed config, read as DeepSpeed reads it (hjson: JSON with comments, a key given
+twice refused), checked before any work (ds_schema: every value within its bound, the optimizer and scheduler
+types; the same for verify-parity --ds-config), and merged under moebench's flags.
 
 moebench's defaults <- the file <- the flags. A few keys belong to flags too (FLAG_OWNED_KEYS): the
 file's value is used unless the flag is given, and a flag given with another value is a conflict.
@@ -11,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import stat
 
 import torch
@@ -22,11 +25,6 @@ NO_COMPILE_OPTIMIZERS = ("adam", "adamw", "adagrad")
 """ds_config optimizer types that run without a compiled op (plus any torch.optim class name)."""
 HALF_PRECISION_KEYS = ("fp16", "bf16", "bfloat16")
 """ds_config sections that switch DeepSpeed to half precision ("bfloat16" is bf16's old name)."""
-DEEPSPEED_OPTIMIZERS = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd", "lion", "muon",
-                        "onebitadam", "zerooneadam", "onebitlamb")
-"""optimizer.type values DeepSpeed 0.19 knows (deepspeed.runtime.config; any case), besides torch.optim names."""
-DEEPSPEED_SCHEDULERS = ("LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
-"""scheduler.type values DeepSpeed 0.19 knows (deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES)."""
 NEVER_PRINT = 2**31 - 1
 """steps_per_print: moebench prints its own progress."""
 MAX_DS_CONFIG_BYTES = 1024 * 1024
@@ -56,8 +54,36 @@ def _depth(value, limit: int) -> int:
     return deepest
 
 
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _object(pairs: list) -> dict:
+    """An object of the file, refusing a key given twice (DeepSpeed's reader refuses them too)."""
+    seen = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise _DuplicateKey(key)
+        seen.add(key)
+    return dict(pairs)
+
+
+def _kind(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"{str(value).lower()} (a boolean)"
+    names = {list: "a list", str: "a string", int: "a number", float: "a number"}
+    return names.get(type(value), type(value).__name__)
+
+
 def load_ds_config(path: str) -> dict:
-    """The file's JSON object; bad input (not a regular file, > 1 MiB, not UTF-8, too deep) names the fix."""
+    """The file's object, read as DeepSpeed reads it (hjson: JSON with comments; a key given twice refused); bad
+    input (not a regular file, > 1 MiB, not UTF-8, not an object, too deep) names the fix."""
+    import hjson
+
     try:
         info = os.stat(path)
         if not stat.S_ISREG(info.st_mode):
@@ -74,28 +100,61 @@ def load_ds_config(path: str) -> dict:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise UserError(f"{path} is not UTF-8 text (byte {exc.start}); give a JSON file", flag="--ds-config") from None
+    too_deep = UserError(f"{path} nests deeper than {MAX_DS_CONFIG_DEPTH} levels; a DeepSpeed config is a few "
+                         "levels deep: fix the file", flag="--ds-config")
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
+        value = hjson.loads(text, object_pairs_hook=_object)
+    except _DuplicateKey as exc:
+        raise UserError(f"{path} gives the key {exc.key!r} twice; DeepSpeed refuses a duplicate key: keep one",
+                        flag="--ds-config") from None
+    except hjson.HjsonDecodeError as exc:
+        if re.search(r"[:\[,]\s*[-+]?(NaN|Infinity)\b", text):
+            raise UserError(f"{path} holds NaN or Infinity, which are not numbers in JSON (DeepSpeed's reader, "
+                            "hjson, refuses them); give a finite number", flag="--ds-config") from None
         raise UserError(f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
                         "fix the file", flag="--ds-config") from None
     except RecursionError:
-        value = None
-    if value is None or _depth(value, MAX_DS_CONFIG_DEPTH) > MAX_DS_CONFIG_DEPTH:
-        raise UserError(f"{path} nests deeper than {MAX_DS_CONFIG_DEPTH} levels; a DeepSpeed config is "
-                        "a few levels deep: fix the file", flag="--ds-config")
+        raise too_deep from None
+    except (OverflowError, ValueError):  # hjson: 1e999 -> "cannot convert float infinity to integer"
+        raise UserError(f"{path} holds a number beyond float range (such as 1e999); give a finite number",
+                        flag="--ds-config") from None
     if not isinstance(value, dict):
-        raise UserError(f"{path} must hold a JSON object (a DeepSpeed config), got {type(value).__name__}",
-                        flag="--ds-config")
+        raise UserError(f"{path} holds {_kind(value)}, not a JSON object (a DeepSpeed config such as "
+                        "{\"train_batch_size\": 8}); give a DeepSpeed config file", flag="--ds-config")
+    if _depth(value, MAX_DS_CONFIG_DEPTH) > MAX_DS_CONFIG_DEPTH:
+        raise too_deep
     return value
 
+
+def read_checked(path: str) -> dict:
+    """load_ds_config, then every value within its bound and the optimizer / scheduler types DeepSpeed builds
+    (ds_schema: the one check `run` and `verify-parity` share). Imports DeepSpeed."""
+    from moebench.models.deepspeed_moe import set_accelerator_env
+    from moebench.variants.deepspeed import ds_schema
+
+    user = load_ds_config(path)
+    set_accelerator_env("cuda" if torch.cuda.is_available() else "cpu")  # before DeepSpeed is imported
+    ds_schema.check_values(user, path)
+    ds_schema.check_types(user, path)
+    return user
+
+
+def refuse_auto(user: dict, path: str) -> None:
+    """`run deepspeed` takes no "auto" (the Hugging Face Trainer fills those from its own arguments): one line."""
+    from moebench.variants.deepspeed.ds_schema import auto_paths
+
+    autos = auto_paths(user)
+    if autos:
+        raise UserError(f"{path} leaves {', '.join(autos)} \"auto\" (the Hugging Face Trainer fills them from its "
+                        "arguments; run does not): give their values", flag="--ds-config")
 
 
 def file_values(path: str | None, explicit: dict[tuple[str, ...], object], world_size: int) -> dict:
     """The config fields the file sets (by field path), checked against the flags given."""
     if path is None:
         return {}
-    user = load_ds_config(path)
+    user = read_checked(path)
+    refuse_auto(user, path)
     values: dict[tuple[str, ...], object] = {}
     for key, (field, name) in FLAG_OWNED_KEYS.items():
         _require_objects_along(user, key, path)  # the value's own type is checked by the config
@@ -186,10 +245,12 @@ def build_ds_config(config: DeepSpeedRunConfig, user: dict | None = None) -> dic
         "steps_per_print": NEVER_PRINT,
         "wall_clock_breakdown": False,
     }
+    path = config.engine.ds_config or "--ds-config"
     if user is None:
-        user = load_ds_config(config.engine.ds_config) if config.engine.ds_config else {}
+        user = read_checked(config.engine.ds_config) if config.engine.ds_config else {}
     if user:
-        validate_with_deepspeed(user, config.engine.ds_config or "--ds-config")
+        refuse_auto(user, path)
+        validate_with_deepspeed(user, path)
     user = copy.deepcopy(user)
     user_optimizer = user.get("optimizer")
     if isinstance(user_optimizer, dict) and str(user_optimizer.get("type", "Adam")).lower() not in ("adam", "adamw"):
@@ -199,7 +260,7 @@ def build_ds_config(config: DeepSpeedRunConfig, user: dict | None = None) -> dic
     _set(merged, ("zero_optimization", "stage"), config.engine.zero_stage)
     _set(merged, ("optimizer", "params", "lr"), config.train.lr)
     merged.setdefault("optimizer", {}).setdefault("type", "Adam")
-    _check_ds_config(merged, config)
+    _check_ds_config(merged, config, path if user else None)
     _check_half_precision(merged)
     merged["train_batch_size"] = config.train.batch_size
     return merged
@@ -213,11 +274,9 @@ def validate_with_deepspeed(user: dict, path: str) -> None:
     from moebench.models.deepspeed_moe import set_accelerator_env
 
     set_accelerator_env("cuda" if torch.cuda.is_available() else "cpu")  # before DeepSpeed is imported
-    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from moebench.variants.deepspeed.ds_schema import _section_models
 
-    for key, model in (("zero_optimization", DeepSpeedZeroConfig), ("fp16", DeepSpeedFP16Config),
-                       ("bf16", DeepSpeedBF16Config)):
+    for key, model in _section_models():
         section = user.get(key)
         if not isinstance(section, dict):
             continue  # absent, or a wrong type the checks below name
@@ -230,20 +289,13 @@ def validate_with_deepspeed(user: dict, path: str) -> None:
                             "fix the file", flag="--ds-config") from None
 
 
-def _check_ds_config(ds: dict, config: DeepSpeedRunConfig) -> None:
-    optimizer = ds.get("optimizer") or {}
-    kind = str(optimizer.get("type", "Adam")) if isinstance(optimizer, dict) else "?"
-    if kind.lower() not in DEEPSPEED_OPTIMIZERS and not hasattr(torch.optim, kind):
-        raise UserError(f"optimizer.type={kind!r} is neither a DeepSpeed optimizer nor a torch.optim class; use "
-                        "Adam or AdamW (no compile), a torch.optim name such as SGD, or one of DeepSpeed's: "
-                        f"{', '.join(DEEPSPEED_OPTIMIZERS)}", flag="--ds-config")
-    scheduler = ds.get("scheduler")
-    if scheduler is not None:
-        stype = scheduler.get("type") if isinstance(scheduler, dict) else None
-        if stype not in DEEPSPEED_SCHEDULERS:
-            raise UserError(f"scheduler.type={stype!r} is not one of DeepSpeed's schedulers "
-                            f"({', '.join(DEEPSPEED_SCHEDULERS)}); fix it or remove the scheduler",
-                            flag="--ds-config")
+def _check_ds_config(ds: dict, config: DeepSpeedRunConfig, path: str | None) -> None:
+    """The merged config's settings moebench cannot run; `path`: the file's, whose optimizer / scheduler types are
+    checked as verify-parity --ds-config checks them (None: no file, moebench's own Adam)."""
+    if path is not None:
+        from moebench.variants.deepspeed.ds_schema import check_types
+
+        check_types(ds, path)
     gas = ds.get("gradient_accumulation_steps", 1)
     if gas != 1:
         raise UserError(f"gradient_accumulation_steps={gas!r} is not supported (one optimizer step per "

@@ -28,6 +28,7 @@ import sys
 import types
 
 from harness import *  # noqa: F403  @HARNESS@ (moebench pastes the shared harness here)
+from noisemath import *  # noqa: F403  @NOISEMATH@ (moebench pastes moebench/parity/noisemath.py here)
 from rowmath import *  # noqa: F403  @ROWMATH@ (moebench pastes moebench/libraries/deepspeed/rowmath.py here)
 from tinymoe import *  # noqa: F403  @TINYMOE@ (moebench pastes moebench/models/deepspeed_moe.py here)
 
@@ -104,7 +105,7 @@ def engine_rank(rank, world, store_path, out, deadline):
         phase = TRAINING
         for step in range(ROW.steps):
             for micro in range(accum):
-                x, y = batch(seed, ROW.zero_stage, step, micro, rank)
+                x, y = batch(seed, ROW.zero_stage, step, micro, rank, ROW)
                 loss = loss_of(engine, x, y, ROW.loss_multiplier)
                 records.append((step, LOSS, f"loss (rank {rank}, micro-step {micro + 1})", "loss",
                                 loss.detach().double().reshape(1)))
@@ -233,7 +234,7 @@ def update_factors(step):
 
 def mechanism(kind, rows):
     """One sentence: what the first divergence says about its mechanism (the tool's words and figures)."""
-    k = common_factor(rows)
+    k = rows_factor(rows)
     factor = "varying factors" if k is None else f"{k:.4g}"
     groups = ", ".join(sorted({r[4] for r in rows}))
     step, rank = rows[0][0], rows[0][2]

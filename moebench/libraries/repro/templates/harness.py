@@ -112,7 +112,7 @@ def compare(results, world):
     return rows
 
 
-def common_factor(rows):
+def rows_factor(rows):
     """The one ratio every row shares (None when they do not)."""
     ratios = [r[8] for r in rows]
     if all(math.isfinite(x) for x in ratios) and max(ratios) - min(ratios) <= COMMON * abs(max(ratios)):
@@ -127,7 +127,7 @@ def layer_mechanism(forward, backward):
         if kind in (0, 1):
             return f"The forward pass differs: {forward}."
         if kind == 2:
-            k = common_factor(rows)
+            k = rows_factor(rows)
             factor = "varying factors" if k is None else f"{k:.4g}"
             groups = ", ".join(sorted({r[4] for r in rows}))
             return (f"The forward agrees, the gradients of the {groups} group(s) do not (scaled by {factor}): "
@@ -186,8 +186,11 @@ def head(t, width=68):
     return shown
 
 
-def main(*, world, library_rank, reference_rank, describe, kinds, where, mechanism, notes=None, argv=None):
-    """Runs the W library ranks and the reference; prints and returns the exit status."""
+def main(*, world, library_rank, reference_rank, describe, kinds=(), where="", mechanism=None, notes=None,
+         judge_results=None, argv=None):
+    """Runs the W library ranks and the reference; prints and returns the exit status. `judge_results(results)`,
+    when given, judges the records itself (a half-precision row's noise model) instead of comparing them
+    element by element."""
     parser = argparse.ArgumentParser(description="Standalone reproduction (see the top of this file).")
     parser.add_argument("--deadline", type=float, default=DEADLINE_S, help="seconds for the whole run")
     args = parser.parse_args(argv)
@@ -251,6 +254,8 @@ def main(*, world, library_rank, reference_rank, describe, kinds, where, mechani
             results["reference"] = torch.load(os.path.join(out, "reference.pt"), weights_only=False)
             for line in (notes(results) if notes else ()):
                 print(textwrap.fill(line, 79, subsequent_indent="  "))
+            if judge_results is not None:
+                return judge_results(results)
             return report(compare(results, world), kinds, where, mechanism)
         except KeyboardInterrupt:
             print("interrupted: every process of the run killed", file=sys.stderr)
