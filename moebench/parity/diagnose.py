@@ -265,8 +265,9 @@ def router_detached(comparison: Any, where: str = "") -> None:
     found = comparison.diagnosis
     if found is None or found["name"] != ZERO:
         return
-    comparison.diagnosis = make(ROUTER_DETACHED, "the router's gradient is exactly zero while the output is right: "
-                                "the routing weights reach the experts through a non-differentiable gather"
+    comparison.diagnosis = make(ROUTER_DETACHED, "is exactly zero while the output is right: the routing weights "
+                                "reach the experts through a non-differentiable gather, so no gradient returns to the "
+                                "router"
                                 + (f" ({where})" if where else ""), **found["details"])
 
 

@@ -46,8 +46,8 @@ VACUOUS_ROW = "vacuous-row"
 """The row's premise fails (its clip does not bind, its capacity drops nothing)."""
 FORWARD_DIFFERS = "forward-differs"
 GLOBAL_NORM = "global-norm"
-"""A clip coefficient from the wrong norm (an engine's, or a trainer's clip_grad_norm): e.g. a global norm from per-rank
-norms, each over the experts that rank holds, never reduced over the expert-parallel ranks."""
+"""A clip coefficient from the wrong norm (an engine's, or a trainer's clip_grad_norm): e.g. a global norm from
+per-rank norms, each over the experts that rank holds, never reduced over the expert-parallel ranks."""
 PARTITION_COPY_BACK = "partition-copy-back"
 ACCUM_BOUNDARY = "accum-boundary"
 EXPERT_GRAD_SCALE = "expert-grad-scale"

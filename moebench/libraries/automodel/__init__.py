@@ -24,10 +24,13 @@ from moebench.libraries.spec import PARITY, Adapter, Row, Settings
 
 NAME = "automodel"
 EP_MODE = "apply_ep"
+SHARED_EXPERTS = ("block", "deepseek_v3")
+"""The rows whose MoE block has a shared expert."""
 CLIP = {"block": 0.02, "deepseek_v3": 0.2, "qwen3_moe": 0.2}
 """max_grad_norm of the clip rows: below each model's step-1 gradient norm at every seed (the row asserts it binds)."""
-RELEASES = ("0.7.0 (pinned) and 0.6.0 pass; 0.5.0 runs and fails: its EP all-gather of the routing weights is not "
-            "differentiable (router-detached); 0.4.0 and older untried (docs/libraries.md)")
+RELEASES = ("0.7.0 (pinned) and 0.6.0 pass; 0.5.0 and 0.4.0 fail, router-detached (its EP all-gather of the routing "
+            "weights is not differentiable); 0.3.0 fails, gather-backward-unreduced; 0.4.0 and older run the shared "
+            "experts on a CUDA stream (those rows skip); 0.2.0 and older do not build under transformers 5")
 """What --list says about the releases, as measured here (tests/libraries/test_automodel_releases.py)."""
 PRELOAD = (
     "nemo_automodel.components.moe.layers", "nemo_automodel.components.moe.parallelizer",
@@ -94,7 +97,8 @@ class Automodel(Adapter):
                        settings=settings(model, clip), features=("loss-curve", "clip") if clip else ("loss-curve",),
                        variant="clip" if clip else "")
 
-        rows = [row(model, backend, clip) for model in api.MODELS for clip in (False, True) for backend in api.BACKENDS]
+        rows = [row(model, backend, clip) for model in api.MODELS for clip in (False, True)
+                for backend in api.BACKENDS]
         rows += [row("block", backend) for backend in api.CUDA_BACKENDS]
         return rows
 
@@ -117,6 +121,12 @@ def skip_reason(row: Row) -> str | None:
         return f"unknown Automodel row {row.model}/{row.backend}"
     if row.world_size < 2 or api.NUM_EXPERTS % row.world_size:
         return f"{api.NUM_EXPERTS} experts do not split over {row.world_size} EP ranks (apply_ep needs >= 2)"
+    if row.backend != "torch" and "experts" not in api.backend_fields():
+        return (f"nemo-automodel {api.am_version()} has one experts implementation, the per-expert loop "
+                f"(no {row.backend})")
+    if row.model in SHARED_EXPERTS and api.shared_experts_need_cuda():
+        return (f"nemo-automodel {api.am_version()}'s MoE.forward runs the shared experts on a torch.cuda.Stream, "
+                "which CPU torch cannot create")
     return None
 
 

@@ -7,7 +7,11 @@ Release differences (read off the installed code, never a version list):
 - the EP all-gather of the routing weights is differentiable from 0.6 (0.5.0 gathers them with
   `differentiable=False`: the row's finding, not something the adapter papers over);
 - `GroupedExperts._gather_ep_inputs` (where 0.7 gathers) does not exist before 0.7: the gather is inline in
-  `forward`.
+  `forward` (0.2-0.3: `DTensor.from_local(Shard(0)).full_tensor()`, 0.4-0.6: `_AllGatherConcatVarlenFn`);
+- 0.2-0.3 run the shared experts on a `torch.cuda.Stream` created in `MoE.forward`: rows whose block has shared
+  experts (the block, DeepSeek-V3) skip there with that reason; Qwen3-MoE has none and runs;
+- 0.2 keeps `BackendConfig` and `MoEConfig` beside the MoE layers (moe/utils.py, moe/layers.py), and has no
+  `experts` backend: the per-expert loop only (the torch_mm rows skip there).
 Every release builds the Qwen3-MoE model's rotary embedding on `cuda:<torch.cuda.current_device()>`
 (qwen3_moe/model.py), which CPU torch refuses: the row builds it with `torch.cuda.current_device` answering 0, in
 the rank only, and says so in its settings (`patch`).
@@ -16,6 +20,7 @@ the rank only, and says so in its settings (`patch`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.metadata
 import inspect
 from typing import Any
@@ -61,11 +66,25 @@ def accepted(fn, **kwargs: Any) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k in params}
 
 
-def backend_config(experts: str):
-    from nemo_automodel.components.models.common.utils import BackendConfig
+def _backend_class():
+    try:
+        from nemo_automodel.components.models.common.utils import BackendConfig
+    except ImportError:  # 0.2: beside the MoE layers
+        from nemo_automodel.components.moe.utils import BackendConfig
+    return BackendConfig
 
-    return BackendConfig(experts=experts, dispatcher="torch", attn="sdpa", linear="torch", rms_norm="torch",
-                         rope_fusion=False, enable_hf_state_dict_adapter=False)
+
+def backend_fields() -> set[str]:
+    """The installed BackendConfig's fields (0.2 has no `experts` / `dispatcher`: the per-expert loop only)."""
+    return {f.name for f in dataclasses.fields(_backend_class())}
+
+
+def backend_config(experts: str):
+    """The CPU backends, in the fields the installed release has."""
+    wanted = dict(experts=experts, dispatcher="torch", attn="sdpa", linear="torch", rms_norm="torch",
+                  rope_fusion=False, enable_deepep=False, enable_hf_state_dict_adapter=False)
+    fields = backend_fields()
+    return _backend_class()(**{k: v for k, v in wanted.items() if k in fields})
 
 
 class Block:
@@ -100,8 +119,12 @@ def build(model: str, experts: str, seed: int):
     backend = backend_config(experts)
     torch.manual_seed(seed)
     if model == "block":
-        from nemo_automodel.components.moe.config import MoEConfig
         from nemo_automodel.components.moe.layers import MoE
+
+        try:
+            from nemo_automodel.components.moe.config import MoEConfig
+        except ImportError:  # 0.2: beside the MoE layers
+            from nemo_automodel.components.moe.layers import MoEConfig
 
         cfg = dict(n_routed_experts=NUM_EXPERTS, n_shared_experts=1, n_activated_experts=TOP_K, n_expert_groups=0,
                    n_limited_groups=0, train_gate=True, gate_bias_update_factor=0.0, aux_loss_coeff=0.0,
@@ -147,6 +170,16 @@ def build(model: str, experts: str, seed: int):
     return built, moe
 
 
+def shared_experts_need_cuda() -> bool:
+    """True where the installed MoE.forward runs its shared experts on a torch.cuda.Stream of their own (0.2-0.3),
+    which CPU torch cannot create: rows whose block has shared experts cannot run here."""
+    import inspect
+
+    from nemo_automodel.components.moe.layers import MoE
+
+    return "torch.cuda.Stream(" in inspect.getsource(MoE.forward)
+
+
 def ep_mesh(world_size: int):
     """The one-dimensional EP mesh over every rank ("ep"), on the CPU: what `apply_ep` and the trainer's gradient
     calls take (`moe_mesh`)."""
@@ -173,7 +206,7 @@ def scale_grads(model, mesh, dp_group_size: int):
 
 
 def clip_grad_norm(model, mesh, max_norm: float) -> float:
-    """Automodel's own sharding-aware clip (`training.utils.clip_grad_norm`) with the EP mesh; the norm it clipped by."""
+    """Automodel's own sharding-aware clip (training.utils.clip_grad_norm) with the EP mesh; the norm it clipped by."""
     from nemo_automodel.components.training import utils
 
     fn = utils.clip_grad_norm

@@ -25,7 +25,7 @@ from moebench.parity.diagnosis import EXPERTS, INPUT_GRAD, OUTPUT, REPLICATED, R
 
 STEPS = 3
 LR = 0.1
-DETACHED_WHERE = "GroupedExperts' EP all-gather of the routing weights has no backward (differentiable=False)"
+DETACHED_WHERE = "in Automodel: GroupedExperts gathers them over the EP ranks with differentiable=False"
 UNREDUCED_WHERE = "_AllGatherConcatVarlenFn.backward, GroupedExperts' EP all-gather"
 NORM_WHERE = "training.utils.clip_grad_norm: the norm was not reduced over the EP mesh"
 
@@ -105,7 +105,6 @@ def run(ctx, row: Row, opts) -> list:
     import warnings
 
     import torch
-
     from transformers.utils import logging as hf_logging
 
     torch.compiler.set_stance("force_eager")  # this rank only: ranks are forked per row
@@ -151,8 +150,8 @@ def _run(ctx, row: Row, opts) -> list:
     for name in sorted(expert_params):  # each local slot holds the global expert the layout says, with its weights
         held = params[name].to_local().detach()
         wrong = [i for i, e in enumerate(mine) if not torch.equal(held[i], ref_params[name].detach()[e])]
-        out.append(assertion(f"{name}: local slots hold experts {mine[0]}-{mine[-1]}", not wrong, rank=r, group=EXPERTS,
-                             note=f"local slots {wrong} hold other weights" if wrong else ""))
+        out.append(assertion(f"{name}: local slots hold experts {mine[0]}-{mine[-1]}", not wrong, rank=r,
+                             group=EXPERTS, note=f"local slots {wrong} hold other weights" if wrong else ""))
 
     opt = torch.optim.SGD(model.parameters(), lr=LR, foreach=False)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, foreach=False)
