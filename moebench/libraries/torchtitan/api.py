@@ -33,8 +33,8 @@ SEQS_PER_DP_RANK, SEQ_LEN = 2, 8
 """Each data-parallel rank's batch: 2 sequences of 8 tokens (split over the TP ranks along the sequence under SP)."""
 INIT_STD = 0.1
 GATE_STD = 1.0
-"""The router's weights are drawn wider than the experts' so that routes are decisive: a token whose top-k is a near-tie
-in float32 can flip in bf16 on one side and not the other, which the noise model would read as an error."""
+"""The router's weights are drawn wider than the experts' so that routes are decisive: a token whose top-k is a
+near-tie in float32 can flip in bf16 on one side and not the other, which the noise model would read as an error."""
 
 MODULES = {
     "common": ("torchtitan.models.common.moe", "torchtitan.models.common.config_utils",

@@ -253,6 +253,7 @@ def _diagnosis(group: str, judged, run_sums: dict, base_sums: dict, partial, tp:
         why = f": summed instead of averaged over {w} ranks (the world size)" if n == w else ""
         return make(UNIFORM_SCALE, f"bf16: {WORDS[group]} gradients scaled by {c:.3g}{why}", scale=c, integer=n)
     fitted = f"x{found[0]:.3g} (residual {100 * found[1]:.0f} %)" if found else "no reference"
+    baseline = noise.distance(base_sums[group])
     return make(BF16_NOISE, f"{judged.name.split(': ', 1)[1]} ({judged.note}); fitted: {fitted}",
                 fit=list(found) if found else None, distance=noise.distance(run_sums[group]),
-                baseline=noise.distance(base_sums[group]) if not math.isinf(noise.distance(base_sums[group])) else None)
+                baseline=None if math.isinf(baseline) else baseline)
