@@ -81,9 +81,11 @@ def backend_fields() -> set[str]:
 
 def backend_config(experts: str):
     """The CPU backends, in the fields the installed release has."""
-    wanted = dict(experts=experts, dispatcher="torch", attn="sdpa", linear="torch", rms_norm="torch",
-                  rope_fusion=False, enable_deepep=False, enable_hf_state_dict_adapter=False)
     fields = backend_fields()
+    wanted = dict(experts=experts, dispatcher="torch", attn="sdpa", linear="torch", rms_norm="torch",
+                  rope_fusion=False, enable_hf_state_dict_adapter=False)
+    if "experts" not in fields:  # 0.2 picks DeepEP by this flag (later releases only warn that it is ignored)
+        wanted["enable_deepep"] = False
     return _backend_class()(**{k: v for k, v in wanted.items() if k in fields})
 
 
