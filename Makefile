@@ -11,7 +11,8 @@
 # Every other dependency is installed at the versions in moebench/constraints.txt (reproducible installs;
 # `moebench env-check` warns when the venv drifts from them). CONSTRAINTS= (empty) installs unconstrained,
 # CONSTRAINTS=path uses another constraints file.
-# Extras installed: test, and the libraries the default suite verifies (verify-parity --library).
+# Extras installed: test, and the libraries the default suite verifies (verify-parity --library); NeMo Automodel and
+# torchtitan with pip's --no-deps from moebench/frameworks.txt (their declared dependencies clash with the pins).
 PYTHON         ?= python3
 VENV           ?= .venv
 TORCH_SPEC     ?= torch==2.13.0
@@ -42,11 +43,12 @@ all: install
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
+$(STAMP): pyproject.toml Makefile $(CONSTRAINTS) moebench/frameworks.txt
 	@case "$(TORCH_SPEC)" in *==*|*@*|*.whl) ;; *) echo "TORCH_SPEC must pin torch (torch==X.Y.Z, torch @ URL or a .whl), got '$(TORCH_SPEC)'"; exit 2;; esac
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e '.[test,fast,fairscale,transformers]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+	$(BIN)/pip install --quiet -e '.[test,fast,fairscale,transformers,autoep,automodel,torchtitan]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+	$(BIN)/pip install --quiet --no-deps -r moebench/frameworks.txt $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	@rm -f $(VENV)/.moebench-installed-*
 	@touch $(STAMP)
 

@@ -25,6 +25,7 @@ BUILTIN = {
     "fairscale": "moebench.libraries.fairscale:ADAPTER",
     "deepspeed": "moebench.libraries.deepspeed:ADAPTER",
     "torchtitan": "moebench.libraries.torchtitan:ADAPTER",
+    "automodel": "moebench.libraries.automodel:ADAPTER",
 }
 """Library name -> its adapter object ("module:attribute")."""
 ENTRY_POINT_GROUP = "moebench.adapters"
@@ -93,6 +94,8 @@ class Status:
     """Its pip extra ("" for an installed package's adapter)."""
     source: str = "built-in"
     """"built-in", or the entry point ("module:attribute") an installed package registered."""
+    releases: str | None = None
+    """One line: which releases run here and why the others do not (the adapter's releases())."""
 
 
 def status(name: str) -> Status:
@@ -103,10 +106,10 @@ def status(name: str) -> Status:
         return Status(name=name, version=None, why_not=f"adapter did not import: {last.partition(': ')[2] or last}",
                       extra=name if name in BUILTIN else "", source=source)
     try:
-        version, why_not = adapter.version(), adapter.unavailable()
+        version, why_not, releases = adapter.version(), adapter.unavailable(), adapter.releases()
     except Exception as exc:  # noqa: BLE001 - probing a library must not break --list
-        version, why_not = None, f"probe failed: {type(exc).__name__}: {exc}"
-    return Status(name=name, version=version, why_not=why_not, extra=adapter.extra, source=source)
+        version, why_not, releases = None, f"probe failed: {type(exc).__name__}: {exc}", None
+    return Status(name=name, version=version, why_not=why_not, extra=adapter.extra, source=source, releases=releases)
 
 
 def statuses() -> list[Status]:

@@ -8,7 +8,7 @@ mathematics on one process. It subclasses `Adapter` and declares, as data and pl
   comparisons (moebench.parity.compare), each with its `group` set where it is made;
 - optional, with defaults: `skip_reason(row)` (asked in the parent, before any rank starts),
   `repro_script(row, seed)`, `preload` (modules imported before the ranks fork; only those the installed
-  release has are imported), `timeout_s`, `version()`, `unavailable()`.
+  release has are imported), `timeout_s`, `version()`, `unavailable()`, `install_hint()`, `releases()`.
 Nothing else is read from an adapter: no attribute is probed, no signature inspected. A row's configuration
 is data in the row (`kind` picks the runner, `settings` holds the rest), so the console, `--json`, the
 report and `--repro` read the same thing. docs/adding-a-library.md walks through an adapter.
@@ -157,7 +157,13 @@ class Adapter:
             return None
 
     def install_hint(self) -> str:
+        """The one command that installs the library (shown when it is missing)."""
         return install_hint(self.extra) if self.extra else f"pip install {self.dist_name or self.import_name}"
+
+    def releases(self) -> str | None:
+        """One line on which releases of the library run here and why the others do not, as measured (shown by
+        --list); None: nothing said."""
+        return None
 
     def unavailable(self) -> str | None:
         """One line why the library cannot run here, or None (must not import the library)."""

@@ -37,12 +37,16 @@ from typing import Any
 import torch
 
 from moebench.parity.diagnosis import (
+    EXPERT_GRAD_SCALE,
     FAILED_ASSERTION,
+    GATHER_BACKWARD_UNREDUCED,
+    GLOBAL_NORM,
     GROUPS,
     MISSING_BACKWARD_EXCHANGE,
     NON_FINITE,
     PARTIAL,
     RANK_LOCAL,
+    ROUTER_DETACHED,
     ROWS_PERMUTED,
     SCORES_MISPAIRED,
     SHAPE,
@@ -227,6 +231,44 @@ def unrouted_slots(grad: Any, where: str = "") -> tuple[Any, str, str, str]:
             + (f" ({where})" if where else "") + "; their zero routing weight hides it in the forward "
             "but not in the backward (mask the routing weights at those slots with an op whose backward "
             "zeros them too)")
+
+
+def gather_backward_unreduced(grad: Any, where: str = "") -> tuple[Any, str, str, str]:
+    """The `alternatives` entry for an all-gather whose backward is never reduced over the ranks: `grad` is the
+    gradient when each token's input and routing weights get gradient only through the experts of its own rank
+    (the rank's gathered-input gradient narrowed to its own tokens, without the all-reduce that brings the other
+    ranks' experts' share). `where` names the gather."""
+    return (grad, "an all-gather whose backward never reduces over the ranks", GATHER_BACKWARD_UNREDUCED,
+            "each token's input and routing weights get gradient only through the experts of its own rank"
+            + (f" ({where})" if where else "") + "; the backward must all-reduce (or reduce-scatter) the gathered "
+            "gradient before keeping its own tokens' slice")
+
+
+def per_rank_norm(norm: Any, where: str = "") -> tuple[Any, str, str, str]:
+    """The `alternatives` entry for a clip norm taken over this rank's gradients only: `norm` is the norm of what
+    this rank holds (its own experts and the replicated parameters), never reduced over the expert-parallel ranks."""
+    return (norm, "a norm over this rank's own gradients", GLOBAL_NORM,
+            "a global norm from per-rank norms: each rank's norm covers only the experts it holds, so every rank "
+            "clips by its own coefficient" + (f" ({where})" if where else ""))
+
+
+def scaled_experts_norm(norm: Any, factor: int) -> tuple[Any, str, str, str]:
+    """The `alternatives` entry for a clip norm taken with the expert gradients `factor` x too large."""
+    return (norm, f"the norm of the right gradients with the experts' x {factor}", EXPERT_GRAD_SCALE,
+            f"expert gradients summed instead of averaged over {factor} ranks before the norm")
+
+
+def router_detached(comparison: Any, where: str = "") -> None:
+    """Name a router gradient that is exactly zero (the `zero` diagnosis, or a gradient that never arrived) as the
+    mechanism behind it, when the caller knows the output was right: the routing weights crossed the ranks by a
+    gather without a backward. Leaves any other diagnosis as it is."""
+    found = comparison.diagnosis
+    if found is None or found["name"] != ZERO:
+        return
+    comparison.diagnosis = make(ROUTER_DETACHED, "is exactly zero while the output is right: the routing weights "
+                                "reach the experts through a non-differentiable gather, so no gradient returns to the "
+                                "router"
+                                + (f" ({where})" if where else ""), **found["details"])
 
 
 def _slices(a: torch.Tensor, e: torch.Tensor, atol: float, rtol: float) -> dict[str, Any] | None:

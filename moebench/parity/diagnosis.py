@@ -30,11 +30,24 @@ MISSING_BACKWARD_EXCHANGE = "missing-backward-exchange"
 SCORES_MISPAIRED = "scores-mispaired"
 UNROUTED_SLOTS = "unrouted-slots"
 
+# ---- expert-parallel mechanisms named by the frameworks' adapters (libraries/automodel, libraries/torchtitan)
+ROUTER_DETACHED = "router-detached"
+"""The router's gradient is exactly zero (or None) while the output is right: the routing weights reach the experts
+through a non-differentiable gather (their gradient is cut on the way back)."""
+GATHER_BACKWARD_UNREDUCED = "gather-backward-unreduced"
+"""An all-gather whose backward returns each rank's own gradient without reducing it over the ranks: a token's input
+and routing weights get gradient only through the experts of the rank that holds the token."""
+GRAD_LEFT_PARTIAL = "grad-left-partial"
+"""Under tensor parallelism a gradient left Partial: each TP rank holds its shard's share, the sum over the TP ranks is
+right (a dropped gradient placement: a to_local / local_map without grad_placements=Partial)."""
+
 # ---- an engine's first divergence (libraries/deepspeed/mechanisms.py)
 VACUOUS_ROW = "vacuous-row"
 """The row's premise fails (its clip does not bind, its capacity drops nothing)."""
 FORWARD_DIFFERS = "forward-differs"
 GLOBAL_NORM = "global-norm"
+"""A clip coefficient from the wrong norm (an engine's, or a trainer's clip_grad_norm): e.g. a global norm from
+per-rank norms, each over the experts that rank holds, never reduced over the expert-parallel ranks."""
 PARTITION_COPY_BACK = "partition-copy-back"
 ACCUM_BOUNDARY = "accum-boundary"
 EXPERT_GRAD_SCALE = "expert-grad-scale"

@@ -66,4 +66,4 @@ def test_a_repro_script_is_none_or_standalone(adapter):
                      if isinstance(node, ast.ImportFrom) and node.module and not node.level}
         assert imported - set(sys.stdlib_module_names) <= STANDALONE, (row.key(), imported)
         compile(source, f"{row.key()}.py", "exec")
-    assert scripts or adapter.name in ("torchtitan", "inhouse-moe")
+    assert scripts or adapter.name in ("torchtitan", "automodel", "inhouse-moe")

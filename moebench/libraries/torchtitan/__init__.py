@@ -1,45 +1,137 @@
-"""torchtitan: listed with an honest why-not where its MoE cannot run here (no rows yet).
+"""torchtitan: its MoE module (token-choice top-k router, grouped experts, all-to-all token dispatch) parallelized by
+torchtitan itself (0.3: `Module.parallelize(ParallelDims)`), with expert parallelism (EP), with tensor parallelism
+and no EP (TP), and both (EP+TP, sequence parallel; 4 ranks), in bf16 on both sides, judged by the noise model
+(bf16.py has what a row compares and how; api.py the release differences).
 
-torchtitan 0.3.0's `MoE` (AllToAllTokenDispatcher) computes its experts in bf16 through
-`torch._grouped_mm`, and `import torchtitan.models.common.moe` needs triton, which the package does
-not declare. moebench never injects stand-in modules to make a library import.
+Backends (`parallelism.spmd_backend`): "partial_dtensor" runs here; the default "spmd_types" exchanges tokens with
+a list all_to_all of uneven sizes, which gloo refuses, and "full_dtensor" wants every input as a DTensor of its
+mesh: skip rows, each with its reason. Its undeclared import-time dependencies (spmd_types, tyro,
+docstring_parser) are the extra `torchtitan`; triton (~1 GB, import-time only here) is not installed: imports.py.
+
+The package's files: __init__.py the adapter (rows, what cannot run here, the releases); api.py what a row builds
+and the release differences; imports.py importing torchtitan without triton; bf16.py the rows' judgement.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
-from moebench.libraries.spec import Adapter, Row
-from moebench.parity.registry import import_problem
+from moebench.libraries import pins
+from moebench.libraries.spec import BF16, Adapter, Row, Settings
 
-MEASURED = "0.3.0"
-"""The release the why-not lines describe (downloaded and read, not installed: see docs/libraries.md)."""
-MOE_MODULE = "torchtitan.models.common.moe:MoE"
-"""What an adapter would build on."""
-PROBE_TIMEOUT_S = 60.0
-"""How long the import probe may take (torch alone takes ~2 s here)."""
+NAME = "torchtitan"
+BACKENDS = ("partial_dtensor", "full_dtensor")
+V02_BACKEND = "dtensor"
+"""0.2's rows: no spmd backend to choose; its ExpertParallel shards the experts as DTensors."""
+SKIPPED_BACKENDS = {
+    "spmd_types": ("its token exchange is a list all_to_all of uneven sizes, which gloo refuses "
+                   "(ProcessGroupGloo::alltoall: invalid tensor size)"),
+}
+"""torchtitan 0.3's other spmd backends, and why their rows cannot run here."""
+RELEASES = ("0.3.0 (pinned) passes; 0.2.2 and 0.2.0 pass their EP rows (torchtitan.models.moe; TP rows skip: its "
+            "apply_moe_ep_tp needs torchdata and tensorboard); 0.1.0 has no MoE outside experiments/llama4")
+"""What --list says about the releases, as measured here (tests/libraries/test_torchtitan_releases.py)."""
+PRELOAD = ("moebench.libraries.torchtitan.imports", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
+           "torch._dynamo", "torch._inductor.compile_fx")
+"""The parent imports torch's pieces; torchtitan itself is imported in each rank (imports.py, ~1 s)."""
 
 
-class TorchTitan(Adapter):
-    name = "torchtitan"
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TorchtitanSettings(Settings):
+    triton: str
+    """The triton the row runs with: its version, or the import stand-in (imports.py)."""
+    patch: str = ""
+    """What the row bridges in its ranks to run on CPU ("" : nothing)."""
+    dense_grads: str = "summed over the data-parallel ranks (torchtitan's FSDP, emulated)"
+
+
+def layouts(world_size: int) -> list[str]:
+    """EP and TP at every world size; EP+TP (dp_shard x tp = 2, ep = W) from 4 ranks."""
+    return ["ep", "tp"] + (["ep+tp"] if world_size >= 4 and world_size % 2 == 0 else [])
+
+
+class Torchtitan(Adapter):
+    """torchtitan's MoE under its own parallelize (see the module docstring)."""
+
+    name = NAME
     import_name = "torchtitan"
-    extra = "torchtitan"
     dist_name = "torchtitan"
+    extra = "torchtitan"
+    catches = ("a torchtitan EP / TP path whose output or gradients are farther from float32 than the same module "
+               "on one process in bf16")
+    preload = PRELOAD
+    runners = {BF16: "moebench.libraries.torchtitan.bf16:run"}
+    timeout_s = 180.0
+
+    def install_hint(self) -> str:
+        return pins.no_deps_command(self.dist_name, self.extra)
+
+    def version(self) -> str | None:
+        from moebench.libraries.torchtitan import api
+
+        return api.tt_version()
 
     def unavailable(self) -> str | None:
-        if importlib.util.find_spec(self.import_name) is None:
-            return (f"not installed (pip install torchtitan=={MEASURED}); no rows yet: its MoE imports triton "
-                    "(undeclared) and runs experts in bf16 via torch._grouped_mm")
-        # Installed: try its MoE module in a child process (never here), and say what stops it.
-        problem = import_problem(MOE_MODULE, PROBE_TIMEOUT_S)
-        if problem:
-            return f"{MOE_MODULE.partition(':')[0]} {problem}"
-        return "no adapter rows yet (its experts compute in bf16 via torch._grouped_mm)"
+        from moebench.libraries.torchtitan import api
 
-    runners = {}  # no rows yet
+        if importlib.util.find_spec(self.import_name) is None or api.tt_version() is None:
+            return f"not installed: {self.install_hint()}"
+        missing = [m for m in ("spmd_types", "tyro", "docstring_parser") if importlib.util.find_spec(m) is None]
+        if missing and api.generation() == "common":
+            return f"torchtitan imports {', '.join(missing)}, which it does not declare: {self.install_hint()}"
+        if api.generation() is None:
+            return f"torchtitan {api.tt_version()} has no MoE module outside its experiments (models/moe: 0.2+)"
+        return None
+
+    def releases(self) -> str:
+        return RELEASES
 
     def rows(self, world_size: int, *, resume: bool = False, user_config=None) -> list[Row]:
-        return []
+        from moebench.libraries.torchtitan import api
+        from moebench.libraries.torchtitan.imports import triton_kind
+
+        if world_size < 2:
+            return []
+        triton = triton_kind()
+        patch = api.V02_PATCH if api.generation() == "moe" else ""
+
+        def row(model, backend, layout):
+            return Row(library=NAME, model=model, backend=backend, ep_mode=layout, world_size=world_size, kind=BF16,
+                       settings=TorchtitanSettings(triton=triton, patch=patch), features=("bf16",))
+
+        if api.generation() == "moe":  # 0.2: no spmd backends; its EP step (its TP rows skip with the reason)
+            return [row(model, V02_BACKEND, layout) for layout in ("ep", "tp") for model in api.MODELS]
+        rows = [row(model, backend, layout) for backend in BACKENDS for layout in layouts(world_size)
+                for model in api.MODELS]
+        rows += [row(next(iter(api.MODELS)), backend, "ep") for backend in SKIPPED_BACKENDS]
+        return rows
+
+    def skip_reason(self, row: Row) -> str | None:
+        return skip_reason(row)
 
 
-ADAPTER = TorchTitan()
+def skip_reason(row: Row) -> str | None:
+    """One line why this row cannot run here, or None."""
+    from moebench.libraries.torchtitan import api
+
+    if row.backend in SKIPPED_BACKENDS:
+        return f"spmd_backend={row.backend}: {SKIPPED_BACKENDS[row.backend]}"
+    if row.model not in api.MODELS or row.backend not in (*BACKENDS, V02_BACKEND) or row.ep_mode not in (
+            "ep", "tp", "ep+tp"):
+        return f"unknown torchtitan row {row.model}/{row.backend}/{row.ep_mode}"
+    if row.world_size < 2 or api.NUM_EXPERTS % row.world_size:
+        return f"{api.NUM_EXPERTS} experts do not split over {row.world_size} ranks"
+    if row.ep_mode not in layouts(row.world_size):
+        return f"{row.ep_mode} needs an even world size of 4 or more"
+    if (api.generation() == "moe") != (row.backend == V02_BACKEND):
+        return f"torchtitan {api.tt_version()} has no {row.backend} backend"
+    if api.generation() == "moe" and api.load() and api.v02_lacks(row.model):
+        return f"torchtitan {api.tt_version()} has no {api.v02_lacks(row.model)}"
+    if api.generation() == "moe" and row.ep_mode != "ep":
+        return (f"torchtitan {api.tt_version()}: its TP plans live in apply_moe_ep_tp "
+                "(models/llama4/infra/parallelize.py), which imports torchdata and tensorboard; only its EP step runs")
+    return None
+
+
+ADAPTER = Torchtitan()

@@ -1,0 +1,133 @@
+"""NVIDIA NeMo Automodel: its MoE block, alone and inside two of its model families (DeepSeek-V3, Qwen3-MoE), with
+its own `apply_ep` over the W ranks and its trainer's gradient convention, against the same model on one process.
+
+On a CPU, Automodel's `BackendConfig` picks the "torch" experts (a per-expert loop) and the "torch" dispatcher:
+every rank all-gathers the tokens and their routing weights (a differentiable variable-length all-gather), runs its
+own experts on all of them, and an all-reduce returns each rank its tokens' output. `apply_ep` shards the experts'
+stacked weights over the "ep" mesh (DTensor Shard(0): rank r holds experts r*E/W ..). Rows (parity.py has what a
+row compares and how): the block and each family, with the loop and with torch._grouped_mm experts, with and
+without a clip that binds. Transformer Engine's grouped experts and the DeepEP dispatcher need CUDA:
+skip rows with the reason. Release differences: api.py.
+
+The package's files: __init__.py the adapter (rows, what cannot run here, the releases); api.py what a row builds
+and the release differences; parity.py the rows' comparisons and known-wrong references.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+from moebench.libraries import pins
+from moebench.libraries.automodel import api
+from moebench.libraries.spec import PARITY, Adapter, Row, Settings
+
+NAME = "automodel"
+EP_MODE = "apply_ep"
+SHARED_EXPERTS = ("block", "deepseek_v3")
+"""The rows whose MoE block has a shared expert."""
+CLIP = {"block": 0.02, "deepseek_v3": 0.2, "qwen3_moe": 0.2}
+"""max_grad_norm of the clip rows: below each model's step-1 gradient norm at every seed (the row asserts it binds)."""
+RELEASES = ("0.7.0 (pinned) and 0.6.0 pass; 0.5.0 and 0.4.0 fail, router-detached (its EP all-gather of the routing "
+            "weights is not differentiable); 0.3.0 fails, gather-backward-unreduced; 0.4.0 and older run the shared "
+            "experts on a CUDA stream (those rows skip); 0.2.0 and older do not build under transformers 5")
+"""What --list says about the releases, as measured here (tests/libraries/test_automodel_releases.py)."""
+PRELOAD = (
+    "nemo_automodel.components.moe.layers", "nemo_automodel.components.moe.parallelizer",
+    "nemo_automodel.components.moe.config", "nemo_automodel.components.training.utils",
+    "nemo_automodel.components.models.common.utils", "nemo_automodel.components.models.qwen3_moe.model",
+    "nemo_automodel.components.models.deepseek_v3.model", "transformers", "torch.distributed.tensor",
+    "torch.distributed.tensor.parallel",
+)
+"""Imported once in the parent (~6 s here), inherited by every forked rank."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AutomodelSettings(Settings):
+    max_grad_norm: float | None
+    """Clip rows: Automodel's clip_grad_norm with the EP mesh at this norm; None: no clip (the scaling still runs)."""
+    dense_grads: str = "averaged over the ranks (FSDP's reduce, emulated)"
+    """How the non-expert gradients are reduced: FSDP itself is not applied."""
+    patch: str = ""
+    """What the row patches in its ranks to build on CPU torch ("" : nothing)."""
+    torch_compile: str = api.TORCH_COMPILE
+    """How the library's torch.compile'd functions run in the ranks."""
+
+
+def settings(model: str, clip: bool) -> AutomodelSettings:
+    return AutomodelSettings(max_grad_norm=CLIP[model] if clip else None,
+                             patch=api.QWEN3_PATCH if model == "qwen3_moe" else "")
+
+
+class Automodel(Adapter):
+    """NeMo Automodel's MoE under its own apply_ep (see the module docstring)."""
+
+    name = NAME
+    import_name = "nemo_automodel"
+    dist_name = "nemo-automodel"
+    extra = "automodel"
+    catches = ("an Automodel EP path (its all-gather, its gradient scaling or its clip norm) whose outputs, "
+               "gradients or weights differ from one process")
+    preload = PRELOAD
+    runners = {PARITY: "moebench.libraries.automodel.parity:run"}
+    timeout_s = 180.0
+
+    def install_hint(self) -> str:
+        return pins.no_deps_command(self.dist_name, self.extra)
+
+    def version(self) -> str | None:
+        return api.am_version()
+
+    def unavailable(self) -> str | None:
+        if importlib.util.find_spec(self.import_name) is None or api.am_version() is None:
+            return f"not installed: {self.install_hint()}"
+        if importlib.util.find_spec("nemo_automodel.components.moe") is None:
+            return f"nemo-automodel {api.am_version()} has no components.moe (its MoE layers): {self.install_hint()}"
+        return None
+
+    def releases(self) -> str:
+        return RELEASES
+
+    def rows(self, world_size: int, *, resume: bool = False, user_config=None) -> list[Row]:
+        if world_size < 2:  # apply_ep asserts an EP mesh of 2 or more ranks
+            return []
+
+        def row(model, backend, clip=False):
+            return Row(library=NAME, model=model, backend=backend, ep_mode=EP_MODE, world_size=world_size,
+                       settings=settings(model, clip), features=("loss-curve", "clip") if clip else ("loss-curve",),
+                       variant="clip" if clip else "")
+
+        rows = [row(model, backend, clip) for model in api.MODELS for clip in (False, True)
+                for backend in api.BACKENDS]
+        rows += [row("block", backend) for backend in api.CUDA_BACKENDS]
+        return rows
+
+    def skip_reason(self, row: Row) -> str | None:
+        return skip_reason(row)
+
+
+def skip_reason(row: Row) -> str | None:
+    """One line why this row cannot run here, or None."""
+    import torch
+
+    if row.backend == "te":
+        return ("GroupedExpertsTE needs Transformer Engine and a CUDA GPU (without CUDA Automodel's BackendConfig "
+                "rewrites experts='te' to 'torch_mm', the torch_mm row)") if not torch.cuda.is_available() else (
+            "the te experts are not covered by this adapter (CPU ranks only)")
+    if row.backend == "deepep":
+        return ("the DeepEP dispatcher (GroupedExpertsDeepEP) needs DeepEP or UCCL-EP kernels and a CUDA GPU"
+                if not torch.cuda.is_available() else "the DeepEP dispatcher is not covered by this adapter")
+    if row.model not in api.MODELS or row.backend not in api.BACKENDS:
+        return f"unknown Automodel row {row.model}/{row.backend}"
+    if row.world_size < 2 or api.NUM_EXPERTS % row.world_size:
+        return f"{api.NUM_EXPERTS} experts do not split over {row.world_size} EP ranks (apply_ep needs >= 2)"
+    if row.backend != "torch" and "experts" not in api.backend_fields():
+        return (f"nemo-automodel {api.am_version()} has one experts implementation, the per-expert loop "
+                f"(no {row.backend})")
+    if row.model in SHARED_EXPERTS and api.shared_experts_need_cuda():
+        return (f"nemo-automodel {api.am_version()}'s MoE.forward runs the shared experts on a torch.cuda.Stream, "
+                "which CPU torch cannot create")
+    return None
+
+
+ADAPTER = Automodel()

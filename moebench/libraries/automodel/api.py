@@ -1,0 +1,215 @@
+"""NeMo Automodel's release differences and what a row builds: its MoE block (in the two-level wrapper `apply_ep`
+walks) or one of its model families from a tiny config, its EP mesh, and its trainer's gradient calls.
+
+Release differences (read off the installed code, never a version list):
+- `scale_grads_and_clip_grad_norm` takes `grad_norm_backend` from 0.7 and `expert_tp_replication_factor` from 0.6:
+  keyword arguments are passed only when the installed signature has them;
+- the EP all-gather of the routing weights is differentiable from 0.6 (0.5.0 gathers them with
+  `differentiable=False`: the row's finding, not something the adapter papers over);
+- `GroupedExperts._gather_ep_inputs` (where 0.7 gathers) does not exist before 0.7: the gather is inline in
+  `forward` (0.2-0.3: `DTensor.from_local(Shard(0)).full_tensor()`, 0.4-0.6: `_AllGatherConcatVarlenFn`);
+- 0.2-0.3 run the shared experts on a `torch.cuda.Stream` created in `MoE.forward`: rows whose block has shared
+  experts (the block, DeepSeek-V3) skip there with that reason; Qwen3-MoE has none and runs;
+- 0.2 keeps `BackendConfig` and `MoEConfig` beside the MoE layers (moe/utils.py, moe/layers.py), and has no
+  `experts` backend: the per-expert loop only (the torch_mm rows skip there).
+Every release builds the Qwen3-MoE model's rotary embedding on `cuda:<torch.cuda.current_device()>`
+(qwen3_moe/model.py), which CPU torch refuses: the row builds it with `torch.cuda.current_device` answering 0, in
+the rank only, and says so in its settings (`patch`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.metadata
+import inspect
+from typing import Any
+
+MODELS = ("block", "deepseek_v3", "qwen3_moe")
+"""The MoE block alone (`moe.layers.MoE`) and two model families with the same block inside."""
+BACKENDS = ("torch", "torch_mm")
+"""CPU expert backends: the per-expert loop ("torch") and torch._grouped_mm ("torch_mm")."""
+CUDA_BACKENDS = ("te", "deepep")
+"""Transformer Engine's grouped experts and the DeepEP dispatcher: CUDA only (skip rows)."""
+
+HIDDEN = 32
+NUM_EXPERTS = 8
+TOP_K = 2
+EXPERT_INTERMEDIATE = 32
+VOCAB = 32
+TOKENS_PER_RANK = 16
+"""Block rows: each rank's tokens (16 x top-2 = 32 routed slots per rank over 8 experts)."""
+SEQS_PER_RANK, SEQ_LEN = 2, 8
+"""Model rows: each rank's sequences (16 tokens)."""
+TORCH_COMPILE = ("force_eager: Automodel's torch.compile'd SwiGLU runs as plain torch in the ranks (the same "
+                 "mathematics; compiling it costs ~4 s a rank a row on 2 CPU cores)")
+QWEN3_PATCH = ("torch.cuda.current_device -> 0 while the model is built (qwen3_moe/model.py builds its rotary "
+               "embedding on cuda:<current_device>; initialize_weights(buffer_device=cpu) moves it back)")
+
+
+def am_version() -> str | None:
+    try:
+        return importlib.metadata.version("nemo-automodel")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def release(version: str) -> tuple[int, int]:
+    major, _, rest = version.partition(".")
+    minor = "".join(ch for ch in rest.partition(".")[0] if ch.isdigit())
+    return int(major or 0), int(minor or 0)
+
+
+def accepted(fn, **kwargs: Any) -> dict[str, Any]:
+    """`kwargs` less those the installed `fn` does not take (a keyword added in a later release)."""
+    params = inspect.signature(fn).parameters
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def _backend_class():
+    try:
+        from nemo_automodel.components.models.common.utils import BackendConfig
+    except ImportError:  # 0.2: beside the MoE layers
+        from nemo_automodel.components.moe.utils import BackendConfig
+    return BackendConfig
+
+
+def backend_fields() -> set[str]:
+    """The installed BackendConfig's fields (0.2 has no `experts` / `dispatcher`: the per-expert loop only)."""
+    return {f.name for f in dataclasses.fields(_backend_class())}
+
+
+def backend_config(experts: str):
+    """The CPU backends, in the fields the installed release has."""
+    fields = backend_fields()
+    wanted = dict(experts=experts, dispatcher="torch", attn="sdpa", linear="torch", rms_norm="torch",
+                  rope_fusion=False, enable_hf_state_dict_adapter=False)
+    if "experts" not in fields:  # 0.2 picks DeepEP by this flag (later releases only warn that it is ignored)
+        wanted["enable_deepep"] = False
+    return _backend_class()(**{k: v for k, v in wanted.items() if k in fields})
+
+
+class Block:
+    """The lone MoE block inside the two levels `apply_ep` walks (`model.layers[i].mlp`); built lazily so that this
+    module imports without torch."""
+
+    @staticmethod
+    def wrap(moe):
+        import torch
+
+        class Layer(torch.nn.Module):
+            def __init__(self, mlp):
+                super().__init__()
+                self.mlp = mlp
+
+        class Model(torch.nn.Module):
+            def __init__(self, mlp):
+                super().__init__()
+                self.layers = torch.nn.ModuleList([Layer(mlp)])
+
+            def forward(self, x):
+                return self.layers[0].mlp(x)
+
+        return Model(moe)
+
+
+def build(model: str, experts: str, seed: int):
+    """(the row's model on this process, its MoE module) built from a tiny config with seeded weights: identical on
+    every rank. The block: MoEConfig with one shared expert, softmax top-2; the families: transformers configs."""
+    import torch
+
+    backend = backend_config(experts)
+    torch.manual_seed(seed)
+    if model == "block":
+        from nemo_automodel.components.moe.layers import MoE
+
+        try:
+            from nemo_automodel.components.moe.config import MoEConfig
+        except ImportError:  # 0.2: beside the MoE layers
+            from nemo_automodel.components.moe.layers import MoEConfig
+
+        cfg = dict(n_routed_experts=NUM_EXPERTS, n_shared_experts=1, n_activated_experts=TOP_K, n_expert_groups=0,
+                   n_limited_groups=0, train_gate=True, gate_bias_update_factor=0.0, aux_loss_coeff=0.0,
+                   score_func="softmax", route_scale=1.0, dim=HIDDEN, inter_dim=EXPERT_INTERMEDIATE,
+                   moe_inter_dim=EXPERT_INTERMEDIATE, norm_topk_prob=True, softmax_before_topk=True,
+                   dtype=torch.float32)
+        moe = MoE(MoEConfig(**cfg), backend)
+        with torch.no_grad():  # the bare block's init_weights writes in place into leaves that require grad
+            moe.init_weights(buffer_device=torch.device("cpu"))
+        wrapped = Block.wrap(moe)
+        return wrapped, moe
+    import transformers as hf
+
+    common = dict(hidden_size=HIDDEN, intermediate_size=2 * EXPERT_INTERMEDIATE,
+                  moe_intermediate_size=EXPERT_INTERMEDIATE, num_experts_per_tok=TOP_K, num_hidden_layers=1,
+                  vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=False, dtype=torch.float32)
+    patch: contextlib.AbstractContextManager = contextlib.nullcontext()
+    if model == "qwen3_moe":
+        from nemo_automodel.components.models.qwen3_moe.model import Qwen3MoeForCausalLM as cls
+
+        config = hf.Qwen3MoeConfig(**common, num_experts=NUM_EXPERTS, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=8, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                                   router_aux_loss_coef=0.0)
+        from unittest import mock
+
+        patch = mock.patch("torch.cuda.current_device", return_value=0)  # QWEN3_PATCH: this rank only
+    elif model == "deepseek_v3":
+        from nemo_automodel.components.models.deepseek_v3.model import DeepseekV3ForCausalLM as cls
+
+        # Four expert groups of 2, two chosen per token (the grouped top-k), one shared expert.
+        config = hf.DeepseekV3Config(**common, n_routed_experts=NUM_EXPERTS, n_shared_experts=1, n_group=4,
+                                     topk_group=2, first_k_dense_replace=0, num_attention_heads=4,
+                                     num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+                                     qk_nope_head_dim=8, v_head_dim=8, routed_scaling_factor=1.5)
+    else:
+        raise ValueError(f"unknown Automodel model {model!r}")
+    with patch:
+        built = cls(config, backend=backend)
+    built.initialize_weights(buffer_device=torch.device("cpu"), dtype=torch.float32)
+    from nemo_automodel.components.moe.layers import MoE
+
+    moe = next(m for m in built.modules() if isinstance(m, MoE))
+    return built, moe
+
+
+def shared_experts_need_cuda() -> bool:
+    """True where the installed MoE.forward runs its shared experts on a torch.cuda.Stream of their own (0.2-0.3),
+    which CPU torch cannot create: rows whose block has shared experts cannot run here."""
+    import inspect
+
+    from nemo_automodel.components.moe.layers import MoE
+
+    return "torch.cuda.Stream(" in inspect.getsource(MoE.forward)
+
+
+def ep_mesh(world_size: int):
+    """The one-dimensional EP mesh over every rank ("ep"), on the CPU: what `apply_ep` and the trainer's gradient
+    calls take (`moe_mesh`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
+
+
+def apply_ep(model, mesh) -> None:
+    from nemo_automodel.components.moe.parallelizer import apply_ep as apply
+
+    apply(model, mesh["ep"])
+
+
+def scale_grads(model, mesh, dp_group_size: int):
+    """The trainer's gradient convention, as its training step calls it (recipes/llm/train_ft.py), without the clip:
+    expert gradients divided by dp / ep_shard (and the TP replication factor). Called through the module, so a
+    patch of Automodel's function is what runs."""
+    from nemo_automodel.components.training import utils
+
+    fn = utils.scale_grads_and_clip_grad_norm
+    return fn(None, [model], **accepted(fn, moe_mesh=mesh, ep_axis_name="ep", dp_group_size=dp_group_size,
+                                        pp_enabled=False, foreach=True))
+
+
+def clip_grad_norm(model, mesh, max_norm: float) -> float:
+    """Automodel's own sharding-aware clip (training.utils.clip_grad_norm) with the EP mesh; the norm it clipped by."""
+    from nemo_automodel.components.training import utils
+
+    fn = utils.clip_grad_norm
+    return float(fn(max_norm, [model], **accepted(fn, moe_mesh=mesh, ep_axis_name="ep", foreach=True)))

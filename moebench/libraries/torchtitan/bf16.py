@@ -1,0 +1,259 @@
+"""A torchtitan row, on every rank: its MoE module in bf16, parallelized by torchtitan over the row's layout, one
+forward and backward of the global batch, judged by the noise model (moebench.parity.noise).
+
+torchtitan computes its experts in bf16 whatever the parameters' dtype (`GroupedExperts` casts before
+`torch._grouped_mm`), so the rows are bf16 on both sides: the parallel module and the same module on one process
+(deep-copied before parallelizing: the same weights), each in bf16. The truth is the same mathematics in float32,
+written here from torchtitan's definitions (router scores, grouped top-k, route norm and scale, SwiGLU experts,
+scores applied to the experts' outputs, or to their inputs in 0.2, the shared expert). Each group (the output, the
+router's gradient, the experts', the shared expert's, the input gradient) must be at most BF16_NOISE_RATIO x as far
+from float32 as the one-process bf16 run is. Gradient convention (no FSDP: torchtitan's trainer sums over the
+data-parallel ranks, `set_gradient_divide_factor(1.0)`): each rank's loss is the sum over its tokens / the global
+token count; the replicated parameters' gradients are summed over the data-parallel ranks here; the experts' already
+hold every rank's tokens (the all-to-all's backward brings them).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+from moebench.libraries.spec import Row
+from moebench.libraries.torchtitan import api
+from moebench.parity import noise
+from moebench.parity.compare import assertion
+from moebench.parity.diagnosis import (
+    BF16_NOISE,
+    EXPERTS,
+    GRAD_LEFT_PARTIAL,
+    INPUT_GRAD,
+    OUTPUT,
+    REPLICATED,
+    ROUTER,
+    UNIFORM_SCALE,
+    make,
+)
+
+REFERENCE_AGREES = 0.02
+"""The float32 reference must be within 2 % (relative L2) of torchtitan's own one-process module with float32
+parameters (its experts still compute in bf16, its router in float32, so its routes are the reference's): ~0.5 %
+here; a reference that is not torchtitan's mathematics misses by tens of percent."""
+DP_AXES = {"dp_shard", "dp_replicate", "fsdp", "efsdp"}
+"""torchtitan's data-parallel mesh axes (a gradient that is a DTensor over one holds the data-parallel sum)."""
+GROUP_OF = {"gate": ROUTER, "w1": EXPERTS, "w2": EXPERTS, "w3": EXPERTS}
+WORDS = {ROUTER: "router", EXPERTS: "expert", REPLICATED: "shared-expert"}
+PARTIAL_WHERE = ("torchtitan: the routed experts' local_map input-gradient placements (Partial on tp) dropped, "
+                 "pytorch/torchtitan#4054")
+
+
+def reference(p: dict[str, Any], x, spec: api.ModelSpec, score_before: bool):
+    """torchtitan's MoE in float32 on one process: x [T, D] -> [T, D]."""
+    import torch
+    import torch.nn.functional as F
+
+    logits = x @ p["gate"].T
+    scores = torch.sigmoid(logits) if spec.score_func == "sigmoid" else F.softmax(logits, dim=-1)
+    choice = scores
+    if spec.groups:  # node-limited routing: keep the groups whose two best experts score highest
+        grouped = choice.unflatten(-1, (spec.groups, api.NUM_EXPERTS // spec.groups))
+        kept = grouped.topk(2, dim=-1).values.sum(-1).topk(spec.limited_groups, dim=-1).indices
+        dropped = torch.ones(grouped.shape[:-1], dtype=torch.bool).scatter(-1, kept, False)
+        choice = grouped.masked_fill(dropped[..., None], float("-inf")).flatten(-2)
+    experts = choice.topk(api.TOP_K, dim=-1).indices
+    top = scores.gather(-1, experts)
+    if spec.route_norm:
+        top = top / (top.sum(-1, keepdim=True) + 1e-20)
+    top = top * spec.route_scale
+    out = torch.zeros_like(x)
+    for k in range(api.TOP_K):
+        e, s = experts[:, k], top[:, k:k + 1]
+        xin = x * s if score_before else x
+        h = F.silu(torch.einsum("td,tfd->tf", xin, p["w1"][e])) * torch.einsum("td,tfd->tf", xin, p["w3"][e])
+        y = torch.einsum("tf,tdf->td", h, p["w2"][e])
+        out = out + (y if score_before else y * s)
+    if spec.shared:
+        out = out + (F.silu(x @ p["shared_w1"].T) * (x @ p["shared_w3"].T)) @ p["shared_w2"].T
+    return out
+
+
+def _batch(seed: int, dp: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    shape = (dp * api.SEQS_PER_DP_RANK, api.SEQ_LEN, api.HIDDEN)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+
+
+def run(ctx, row: Row, opts) -> list:
+    """The row on this rank, with torchtitan's CPU-autocast warning (its router asks for float32 autocast, which CPU
+    autocast does not do: the gate runs in the parameters' dtype on both sides) and DTensor's hints off the console."""
+    import logging
+    import warnings
+
+    # DTensor logs a hint (at WARNING) when it redistributes over two mesh axes one after the other (full_dtensor)
+    redistribute = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = redistribute.level
+    redistribute.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="In CPU autocast")
+            warnings.filterwarnings("ignore", message=".*torch.distributed.*deprecated")
+            return _run(ctx, row, opts)
+    finally:
+        redistribute.setLevel(level)
+
+
+def _run(ctx, row: Row, opts) -> list:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from moebench.parity.layout import ExpertLayout
+
+    gen = api.load()
+    api.point_at_cpu()
+    if gen == "moe":
+        api.bridge_v02_cpu_gaps()
+    r, w, layout = ctx.rank, ctx.world_size, row.ep_mode
+    spec = api.MODELS[row.model]
+    torch.manual_seed(opts.seed)
+    moe = api.build(gen, row.model, enable_ep=layout != "tp", enable_sp=layout == "ep+tp")
+    roles = {role: name for role, name in api.names(gen).items() if role.startswith(("gate", "w")) or spec.shared}
+    params32 = dict(moe.named_parameters())
+    truth_params = {role: params32[name].detach().clone().requires_grad_(True) for role, name in roles.items()}
+    with torch.no_grad():  # torchtitan's own module on one process with float32 parameters: the reference's check
+        y_fp32_params = moe(_batch(opts.seed, 1)[0]).float()
+    base = copy.deepcopy(moe).to(torch.bfloat16)  # the same module on this process alone
+    moe = moe.to(torch.bfloat16)
+    context, tp, enter = api.parallelize(gen, moe, row.backend, layout, w)
+    dp = w // tp
+    d, t = divmod(r, tp)  # the mesh is [dp_shard, tp], row-major
+    dp_group = _groups([[dd * tp + tt for dd in range(dp)] for tt in range(tp)], t) if dp > 1 else None
+    tp_group = _groups([[dd * tp + tt for tt in range(tp)] for dd in range(dp)], d) if tp > 1 else None
+
+    x_all, t_all = _batch(opts.seed, dp)
+    tokens = x_all.shape[0] * x_all.shape[1]
+    piece = slice(t * api.SEQ_LEN // tp, (t + 1) * api.SEQ_LEN // tp) if layout == "ep+tp" else slice(None)
+    mine = (slice(d * api.SEQS_PER_DP_RANK, (d + 1) * api.SEQS_PER_DP_RANK), piece)
+    replicas = tp if layout == "tp" else 1  # ranks holding the same tokens (TP without SP)
+
+    xt = x_all.reshape(tokens, -1).clone().requires_grad_(True)
+    y_truth = reference(truth_params, xt, spec, api.score_before_experts(gen))
+    ((y_truth * t_all.reshape(tokens, -1)).sum() / tokens).backward()
+    y_truth, gx_truth = y_truth.detach().reshape(x_all.shape), xt.grad.reshape(x_all.shape)
+
+    def forward_backward(module, x, targets, enter=lambda x: x):
+        x = x.detach().to(torch.bfloat16).clone().requires_grad_(True)
+        y = module(enter(x))
+        y = y.to_local() if isinstance(y, DTensor) else y
+        ((y.float() * targets).sum() / tokens).backward()
+        return y.detach().float(), x.grad.float()
+
+    y_base, gx_base = forward_backward(base, x_all, t_all)
+    with context():
+        y_run, gx_run = forward_backward(moe, x_all[mine], t_all[mine], enter)
+
+    out, missing = [], []
+    base_params, run_params = dict(base.named_parameters()), dict(moe.named_parameters())
+    run_sums = {g: torch.zeros(3, dtype=torch.float64) for g in (ROUTER, EXPERTS, REPLICATED)}
+    base_sums = {g: torch.zeros(3, dtype=torch.float64) for g in run_sums}
+    partial_sums = {g: torch.zeros(3, dtype=torch.float64) for g in run_sums}
+    for role, name in roles.items():
+        group = GROUP_OF.get(role, REPLICATED)
+        p, truth = run_params[name], truth_params[role].grad
+        base_sums[group] += noise.sums([(base_params[name].grad, truth)])
+        if group == EXPERTS:
+            missing += _experts_held(name, p, base_params[name], ExpertLayout)
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        if grad is None:
+            missing.append(f"{name} (no gradient)")
+            grad = torch.zeros_like(truth)
+        if group != EXPERTS and dp_group is not None and not _covers_dp(p.grad):  # what torchtitan's FSDP sums
+            grad = grad.float().clone()
+            dist.all_reduce(grad, group=dp_group)
+        run_sums[group] += noise.sums([(grad, truth)], 1 / w)
+        if group != EXPERTS and tp_group is not None:  # what the TP ranks' gradients sum to: a Partial left behind
+            summed = grad.float().clone()
+            dist.all_reduce(summed, group=tp_group)
+            partial_sums[group] += noise.sums([(summed, truth)], 1 / w)
+    io = torch.stack([noise.sums([(y_run, y_truth[mine])], 1 / replicas),
+                      noise.sums([(gx_run, gx_truth[mine])], 1 / replicas)])
+    for s in (io, *run_sums.values(), *partial_sums.values()):
+        dist.all_reduce(s)
+    base_y = noise.sums([(y_base, y_truth)])
+    check_x = _batch(opts.seed, 1)[0]
+    with torch.no_grad():
+        y_check = reference({k: v.detach() for k, v in truth_params.items()}, check_x.reshape(-1, api.HIDDEN), spec,
+                            api.score_before_experts(gen)).reshape(check_x.shape)
+    agrees = noise.distance(noise.sums([(y_fp32_params, y_check)]))
+    out.append(assertion(f"the float32 reference is torchtitan's mathematics: its one-process module with float32 "
+                         f"parameters is {agrees:.3g} from it (<= {REFERENCE_AGREES:g})", agrees <= REFERENCE_AGREES,
+                         rank=r, group=OUTPUT))
+    out.append(assertion("every parameter has a gradient and every local expert is one of the reference's",
+                         not missing, rank=r, group=EXPERTS, note=f"missing: {', '.join(missing)}" if missing else ""))
+    out.append(noise.judge("step 1", "output", io[0], base_y, rank=r, group=OUTPUT))
+    for group in run_sums:
+        if base_sums[group][2] == 0:  # no shared expert in this model
+            continue
+        judged = noise.judge("step 1", f"{WORDS[group]} gradient", run_sums[group], base_sums[group], rank=r,
+                             group=group)
+        if not judged.passed:
+            judged.diagnosis = _diagnosis(group, judged, run_sums, base_sums, partial_sums[group], tp, w)
+        out.append(judged)
+    out.append(noise.judge("step 1", "input grad", io[1], noise.sums([(gx_base, gx_truth)]), rank=r, group=INPUT_GRAD))
+    return out
+
+
+def _covers_dp(grad) -> bool:
+    """True for a gradient that is a DTensor over a data-parallel axis (full_dtensor): already summed over it."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(grad, DTensor) and bool(set(grad.device_mesh.mesh_dim_names or ()) & DP_AXES)
+
+
+def _groups(member_lists: list[list[int]], mine: int):
+    """Every rank creates every group (a collective), and keeps the `mine`-th."""
+    import torch.distributed as dist
+
+    made = [dist.new_group(ranks) for ranks in member_lists]
+    return made[mine]
+
+
+def _experts_held(name: str, p, base_p, layout_cls) -> list[str]:
+    """What is wrong with the experts this rank holds: under EP each local slot must be the global expert the layout
+    names (contiguous over the ep mesh), with the one-process module's bf16 weights."""
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+
+    dims = [i for i, pl in enumerate(p.placements) if isinstance(pl, Shard) and pl.dim == 0] if isinstance(
+        p, DTensor) else []
+    if not dims:
+        return []
+    mesh, dim = p.device_mesh, dims[0]  # the expert dim is sharded over one mesh axis: "ep"
+    layout = layout_cls(api.NUM_EXPERTS, mesh.size(dim))
+    held = p.to_local().detach()
+    ep_rank = mesh.get_local_rank(dim)
+    return [f"{name}[local {i}]" for i in range(held.shape[0])
+            if not torch.equal(held[i], base_p.detach()[layout.global_expert(ep_rank, i)])]
+
+
+def _diagnosis(group: str, judged, run_sums: dict, base_sums: dict, partial, tp: int, w: int) -> dict[str, Any]:
+    """A group outside the noise: one TP rank's share (the sum over the TP ranks is right), else scaled by one
+    factor (x W: summed instead of averaged), else the distance with the group's fitted factor."""
+    ratio_limit = noise.BF16_NOISE_RATIO * noise.distance(base_sums[group])
+    if tp > 1 and noise.distance(partial) <= ratio_limit:
+        return make(GRAD_LEFT_PARTIAL, f"bf16: the {WORDS[group]} gradient is one TP rank's share: summed over the "
+                    f"{tp} TP ranks it is right within the noise ({noise.distance(partial):.3g} from float32); "
+                    f"a gradient placement dropped ({PARTIAL_WHERE})", tp=tp, group=WORDS[group])
+    found = noise.fit(run_sums[group])
+    if found is not None and found[1] <= noise.GROUP_FIT_RTOL:
+        c = found[0]
+        n = round(c) if round(c) >= 2 and abs(c - round(c)) <= noise.GROUP_FIT_RTOL * c else None
+        why = f": summed instead of averaged over {w} ranks (the world size)" if n == w else ""
+        return make(UNIFORM_SCALE, f"bf16: {WORDS[group]} gradients scaled by {c:.3g}{why}", scale=c, integer=n)
+    fitted = f"x{found[0]:.3g} (residual {100 * found[1]:.0f} %)" if found else "no reference"
+    baseline = noise.distance(base_sums[group])
+    return make(BF16_NOISE, f"{judged.name.split(': ', 1)[1]} ({judged.note}); fitted: {fitted}",
+                fit=list(found) if found else None, distance=noise.distance(run_sums[group]),
+                baseline=None if math.isinf(baseline) else baseline)
