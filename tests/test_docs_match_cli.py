@@ -123,7 +123,10 @@ def mentions(path: Path) -> list[tuple[str, int, str, str | None, str, bool]]:
             continue  # another program's command line (or a make variable, a script)
         else:
             pieces.append((default, code))
-        for command, piece in pieces:
+        for command, whole in pieces:
+            # a shell list (`a && pip install --no-deps x`): another program's part is not ours to check
+            piece = " ".join(p for p in re.split(r"&&|\|\||;", whole)
+                             if not p.split() or p.split()[0] not in OTHER_PROGRAMS)
             for m in FLAG.finditer(piece):
                 for flag in _expand(m.group(1)):
                     if flag not in PLACEHOLDERS:
