@@ -26,6 +26,7 @@ BUILTIN = {
     "deepspeed": "moebench.libraries.deepspeed:ADAPTER",
     "torchtitan": "moebench.libraries.torchtitan:ADAPTER",
     "automodel": "moebench.libraries.automodel:ADAPTER",
+    "megatron": "moebench.libraries.megatron:ADAPTER",
 }
 """Library name -> its adapter object ("module:attribute")."""
 ENTRY_POINT_GROUP = "moebench.adapters"

@@ -153,7 +153,8 @@ def _rows(**by_name) -> dict:
     return {name: RowCheck(check=None, adapter=adapter, row=row) for name, (adapter, row) in by_name.items()}
 
 
-def test_write_scripts_writes_one_per_failing_row_and_lists_them(tmp_path):
+def test_write_scripts_writes_one_per_failing_row_and_lists_them(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the console shows the path relative to here: short wherever tmp_path is
     rows = _rows(**{"a/x": (_Scripted(), ds_row()), "b/y": (_Scripted(), ds_row(zero_stage=2)),
                     "c/z": (_Unscripted(), ds_row(zero_stage=0))})
     summary = {"checks": [{"name": "a/x", "status": "fail"}, {"name": "b/y", "status": "pass"},
