@@ -19,6 +19,9 @@ TORCH_SPEC     ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 CONSTRAINTS    ?= moebench/constraints.txt
 PYTEST_ARGS    ?=
+# make test runs the default tier in this many pytest processes (pytest-xdist; 0: one process). 2 keeps a
+# 2-core machine busy: a test mostly waits on the rank processes it starts, and those start 2-4 each.
+TEST_WORKERS   ?= 2
 WORLD_SIZE     ?= 4
 
 BIN := $(VENV)/bin
@@ -53,7 +56,7 @@ $(STAMP): pyproject.toml Makefile $(CONSTRAINTS) moebench/frameworks.txt
 	@touch $(STAMP)
 
 test: install lint
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check moebench tests

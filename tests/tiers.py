@@ -25,6 +25,9 @@ MOVED_TO_SLOW: dict[str, str] = {
         "(test_the_launchers_sockets_are_on_loopback)",
     "tests/distributed/test_launch.py::test_under_torchrun_a_raising_rank_reaches_every_rank":
         "a second real torchrun job; by default test_under_torchrun_each_process_is_one_rank",
+    "tests/distributed/test_launch.py::test_one_stuck_rank_is_named_while_its_peers_time_out":
+        "the launcher alone; by default the same case through a check (test_parity_robust.py::"
+        "test_a_rank_that_hangs_fails_in_bounded_time_with_its_stack: rank 1 stuck and named, its peers time out)",
     "tests/distributed/test_launch.py::test_spawn_start_method_works":
         "the spawn start method is NCCL's (GPU only); fork is every CPU path",
     # torchrun jobs of the CLI (each starts a real torchrun: seconds of start-up per test)
@@ -66,6 +69,11 @@ MOVED_TO_SLOW: dict[str, str] = {
     "tests/libraries/test_repro.py::test_transformers_script_reproduces_the_fault_and_passes_unbroken":
         "the transformers script's harness is DeepSpeed's; by default it is checked standalone "
         "(test_adapter_contract.py)",
+    "tests/libraries/test_repro.py::test_cli_writes_the_script_of_each_failing_row_and_lists_it":
+        "fairscale's --repro through the CLI; by default the CLI writes and lists a script "
+        "(test_the_tool_and_its_script_print_the_same_figures), the listing at 80 columns "
+        "(test_write_scripts_writes_one_per_failing_row_and_lists_them) and fairscale's script run standalone "
+        "(test_fairscale_script_reproduces_the_fault_and_passes_unbroken)",
     "tests/libraries/test_ds_resume.py::test_repro_script_exits_1_with_the_fault_and_0_without":
         "the resume script run twice; by default the resume rows and their faults",
     "tests/libraries/test_ds_engine.py::test_a_rows_ranks_inherit_what_the_engine_imports_and_the_console_stays":
