@@ -132,9 +132,10 @@ def conformance(rows: list[dict[str, Any]], width: int = WIDTH) -> str:
 
 
 def library_list(statuses: list, width: int = WIDTH) -> str:
-    """One line per library: version, whether it runs here, and the one line why not."""
-    header = ["library", "version", "runs", "why not"]
-    cells = [[s.name, s.version or "-", "no" if s.why_not else "yes", s.why_not or ""] for s in statuses]
+    """One line per library: version, whether it runs here, and the one line why not (or its note, when it runs)."""
+    header = ["library", "version", "runs", "why not / note"]
+    cells = [[s.name, s.version or "-", "no" if s.why_not else "yes", s.why_not or getattr(s, "note", None) or ""]
+             for s in statuses]
     fixed, _ = _fit([c[:3] for c in cells], header[:3], width // 2)
     indent = sum(fixed) + 2 * 3
     out = [_lines(header, [*fixed, width - indent])[0]]

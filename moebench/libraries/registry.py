@@ -25,6 +25,7 @@ BUILTIN = {
     "fairscale": "moebench.libraries.fairscale:ADAPTER",
     "deepspeed": "moebench.libraries.deepspeed:ADAPTER",
     "torchtitan": "moebench.libraries.torchtitan:ADAPTER",
+    "autoep": "moebench.libraries.autoep:ADAPTER",
 }
 """Library name -> its adapter object ("module:attribute")."""
 ENTRY_POINT_GROUP = "moebench.adapters"
@@ -91,6 +92,8 @@ class Status:
     """One line: why it cannot run here (None: it can)."""
     extra: str
     """Its pip extra ("" for an installed package's adapter)."""
+    note: str | None = None
+    """One line beside a library that runs here (Adapter.note), or None."""
     source: str = "built-in"
     """"built-in", or the entry point ("module:attribute") an installed package registered."""
 
@@ -104,9 +107,10 @@ def status(name: str) -> Status:
                       extra=name if name in BUILTIN else "", source=source)
     try:
         version, why_not = adapter.version(), adapter.unavailable()
+        note = None if why_not else adapter.note()
     except Exception as exc:  # noqa: BLE001 - probing a library must not break --list
-        version, why_not = None, f"probe failed: {type(exc).__name__}: {exc}"
-    return Status(name=name, version=version, why_not=why_not, extra=adapter.extra, source=source)
+        version, why_not, note = None, f"probe failed: {type(exc).__name__}: {exc}", None
+    return Status(name=name, version=version, why_not=why_not, extra=adapter.extra, source=source, note=note)
 
 
 def statuses() -> list[Status]:

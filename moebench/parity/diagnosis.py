@@ -42,6 +42,12 @@ LOSS_SCALE = "loss-scale"
 REDUCED_GRAD_WRONG = "reduced-grad-wrong"
 BF16_NOISE = "bf16-noise"
 """Half precision farther from float32 than the noise model allows, and no mechanism explains it."""
+ROUTER_DETACHED = "router-detached"
+"""The router's gradient is exactly zero while the output is right: the routing weights reach the output without a
+gradient path back to the router (detached, or gathered by an operation with no backward)."""
+INCOMPATIBLE_RELEASE = "incompatible-release"
+"""The library fails before training with the installed release of a library it builds on (its one line names both
+versions and the call that broke), e.g. DeepSpeed's AutoEP with a transformers it was not written for."""
 
 # ---- a resumed run's restored state (restore.py)
 NOT_RESTORED = "not-restored"

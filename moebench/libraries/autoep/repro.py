@@ -1,0 +1,5 @@
+"""placeholder"""
+
+
+def script(row, seed):
+    return None
