@@ -10,6 +10,7 @@ phase over the ranks (premise, loss, reduced gradient, global norm, update) and 
 - accum-boundary, expert-grad-scale, loss-scale, reduced-grad-wrong: the reduced gradients differ (how);
 - global-norm: reduced gradients right, every update scaled by one factor per rank: the clip's global norm
   (and which wrong norm it is, when the numbers tell);
+- not-stepped: reduced gradients right, the step leaves some parameters exactly unchanged (not in the optimizer);
 - partition-copy-back: reduced gradients right, the applied step or the parameters after it wrong;
 - bf16-noise: a bf16 row farther from float32 than the noise model allows, no group scale explaining it.
 """
@@ -34,6 +35,7 @@ from moebench.parity.diagnosis import (
     FORWARD_DIFFERS,
     GLOBAL_NORM,
     LOSS_SCALE,
+    NOT_STEPPED,
     PARTITION_COPY_BACK,
     PERMUTATION,
     REDUCED_GRAD_WRONG,
@@ -225,6 +227,12 @@ def _update_finding(v: StepView, wrong: dict, tag: str) -> dict[str, Any]:
     groups = sorted({group_of(u) for u in wrong})
     first = next(iter(wrong))
     where = f"{tag}, {'/'.join(groups)} ({label(first)})"
+    still = [u for u, (a, e) in wrong.items() if not a.any() and e.any()]
+    if still:  # the step left them exactly as they were
+        kinds = sorted({group_of(u) for u in still})
+        return _finding("update", NOT_STEPPED, f"reduced gradients right, but the step left {len(still)} parameter(s) "
+                        f"of the {'/'.join(kinds)} group(s) unchanged (first: {label(still[0])}): they are not in "
+                        "the optimizer's parameter groups, so they never train", where, units=len(still))
     factors = common_factors(v.updates, v.afters, v.sizes.world)
     clip = v.settings.get("clip", 0.0)
     if clip > 0 and factors is not None:

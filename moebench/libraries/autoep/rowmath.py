@@ -163,7 +163,7 @@ def tie_free_labels(ids: torch.Tensor, gaps: torch.Tensor) -> torch.Tensor:
 def engine_config(s, world: int) -> dict:
     """The DeepSpeed config of a row: AutoEP on at its autoep_size, the row's ZeRO stage, clipping (0.0 written
     out: DeepSpeed 0.19 defaults gradient_clipping to 1.0), accumulation and precision; a config-built SGD when
-    the row's optimizer is "config"."""
+    the row's optimizer is "config" or "config-list"."""
     config = {
         "train_batch_size": SEQS * world * s.grad_accum, "train_micro_batch_size_per_gpu": SEQS,
         "gradient_accumulation_steps": s.grad_accum, "gradient_clipping": s.clip,
@@ -173,7 +173,7 @@ def engine_config(s, world: int) -> dict:
     }
     if s.data_before_expert:
         config["use_data_before_expert_parallelism"] = True
-    if s.optimizer == "config":
+    if s.optimizer.startswith("config"):
         config["optimizer"] = {"type": "SGD", "params": {"lr": LR}}
     if s.precision == "bf16":
         config["bf16"] = {"enabled": True}
@@ -181,11 +181,14 @@ def engine_config(s, world: int) -> dict:
 
 
 def client_optimizer(s, model):
-    """(optimizer, model_parameters) for deepspeed.initialize: "config" none (DeepSpeed builds SGD from the
-    config); "client" a torch SGD over model.parameters(), built before AutoEP replaces the experts (DeepSpeed
-    remaps it); "callable" a function DeepSpeed calls after the replacement, with the parameters split into
-    DeepSpeed's MoE groups (deepspeed.moe.utils)."""
+    """(optimizer, model_parameters) for deepspeed.initialize: "config" none (DeepSpeed builds SGD from the config)
+    with `model.parameters()` as DeepSpeed's examples pass it, a generator read once AutoEP has replaced the
+    experts; "config-list" the same parameters as a list made before (the old router and experts); "client" a
+    torch SGD over model.parameters(), built before AutoEP replaces the experts (DeepSpeed remaps it); "callable"
+    a function DeepSpeed calls after the replacement, the parameters split into MoE groups (deepspeed.moe.utils)."""
     if s.optimizer == "config":
+        return None, model.parameters()
+    if s.optimizer == "config-list":
         return None, list(model.parameters())
     if s.optimizer == "client":
         return torch.optim.SGD(model.parameters(), lr=LR), None
@@ -240,6 +243,17 @@ def autoep_unit(name: str, slot: int | None, experts: list) -> str:
     if found:
         return f"{MLP}experts.{EXPERT_PROJ[found.group(1)]}[expert {experts[slot]}]"
     return name.replace(MLP + "router.gate.", MLP + "gate.")
+
+
+def experts_held(moe) -> list:
+    """The global experts an AutoEP layer's local slots hold, slot by slot: the placement it declares
+    (deepspeed.checkpoint.autoep_affine: 0.19.8 has it), else its uniform layout (0.19.2, 0.19.5: ep rank r holds
+    experts r x L .. r x L + L - 1). Either way each slot's weights are then checked against that expert's (run.py)."""
+    try:
+        from deepspeed.checkpoint.autoep_affine import autoep_experts_for_rank
+    except ImportError:
+        return [moe.ep_rank * moe.num_local_experts + i for i in range(moe.num_local_experts)]
+    return [int(e) for e in autoep_experts_for_rank(moe.expert_placement_descriptor, moe.ep_rank)]
 
 
 def autoep_units(named: dict, experts: list) -> dict:

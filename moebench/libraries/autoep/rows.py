@@ -14,8 +14,9 @@ subset (docs/libraries.md times it), chosen by what each axis exercises:
 - bf16 (noise model) per family at ZeRO 1, and on Mixtral at ZeRO 0 and 2;
 - use_data_before_expert_parallelism at every ZeRO stage where the layout differs (autoep_size < W; at W = 2 it
   cannot, so one row there shows it is accepted);
-- the optimizers: a config-built SGD is every other row's; a client SGD instance at each ZeRO stage (ZeRO 1/2
-  refuse it: refusal rows with DeepSpeed's reason) and a client callable at ZeRO 0 and 1;
+- the optimizers: a config-built SGD with `model_parameters=model.parameters()` is every other row's; a client
+  SGD instance at each ZeRO stage (ZeRO 1/2 refuse it: refusal rows with DeepSpeed's reason), a client callable
+  and the config-built SGD with the parameters listed before initialize at ZeRO 0 and 1;
 - AutoEP as shipped (no shim), once.
 """
 
@@ -37,7 +38,7 @@ HALF_PRECISIONS = ("bf16",)
 """The low precisions the matrix runs, judged by the noise model. fp16 plugs in here (with its config section in
 rowmath.engine_config and DeepSpeed's CPU fp16 support: the DeepSpeed fp16 work of issue 31)."""
 PRECISIONS = ("fp32", *HALF_PRECISIONS)
-OPTIMIZERS = ("config", "client", "callable")
+OPTIMIZERS = ("config", "config-list", "client", "callable")
 FEATURES = {"clip": "clip", "grad-accum": "accum 2"}
 
 
@@ -57,8 +58,9 @@ class AutoEPSettings(Settings):
     data_before_expert: bool = False
     """use_data_before_expert_parallelism: the expert-parallel groups are strided over the ranks."""
     optimizer: str = "config"
-    """"config" (SGD built by DeepSpeed from the config), "client" (a torch SGD instance), "callable" (a function
-    DeepSpeed calls with the parameters after the replacement)."""
+    """"config" (SGD built by DeepSpeed from the config, model_parameters=model.parameters()), "config-list" (the
+    same with the parameters listed before initialize), "client" (a torch SGD instance), "callable" (a function
+    DeepSpeed calls with the parameters after the replacement): rowmath.client_optimizer."""
     transformers: str = ""
     """The transformers release the row runs with (DeepSpeed's is the row's `version`)."""
     transformers_shim: str = ""
@@ -124,7 +126,8 @@ def matrix(world_size: int, tf_version: str | None) -> list[AutoEPSettings]:
         out.append(AutoEPSettings(family="mixtral", data_before_expert=True,
                                   **{**base, "zero_stage": stage, "autoep_size": (strided or [world_size])[0]}))
     out += [AutoEPSettings(family="mixtral", optimizer="client", **{**base, "zero_stage": s}) for s in (0, 1, 2)]
-    out += [AutoEPSettings(family="mixtral", optimizer="callable", **{**base, "zero_stage": s}) for s in (0, 1)]
+    out += [AutoEPSettings(family="mixtral", optimizer=o, **{**base, "zero_stage": s})
+            for o in ("callable", "config-list") for s in (0, 1)]
     if compat.needs_shim(tf_version):  # AutoEP as shipped: the incompatibility, a finding of its own
         out.append(dataclasses.replace(out[0], transformers_shim=""))
     return out

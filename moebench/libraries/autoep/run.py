@@ -47,6 +47,8 @@ GROUP = {"experts": EXPERTS, "router": ROUTER, "dense": REPLICATED}
 """A unit's group as the row's diagnosis counts it."""
 HALF = {"bf16": torch.bfloat16}
 """Half precisions the rows run, and their dtype (fp16 plugs in here: rows.HALF_PRECISIONS)."""
+OPTIMIZER_WORDS = {"config": "the optimizer its config builds", "config-list": "the optimizer its config builds",
+                   "client": "a client optimizer", "callable": "a client optimizer callable"}
 REFUSALS = ("None of the param groups are marked as MoE", "untested ZeRO Optimizer")
 """The assertions DeepSpeed refuses a client optimizer with (a refusal row: its message, not a failure)."""
 
@@ -121,9 +123,9 @@ def _initialize(engine_args: dict, s, ds_version: str):
         engine, *_ = deepspeed.initialize(**engine_args)
         return engine, None
     except AssertionError as exc:
-        if any(r in str(exc) for r in REFUSALS) and s.optimizer != "config":
-            raise Refused(f"DeepSpeed {ds_version} refuses a {s.optimizer} optimizer at ZeRO {s.zero_stage} with "
-                          f"AutoEP: {' '.join(str(exc).split())}") from None
+        if any(r in str(exc) for r in REFUSALS):
+            raise Refused(f"DeepSpeed {ds_version} refuses {OPTIMIZER_WORDS[s.optimizer]} at ZeRO {s.zero_stage} "
+                          f"with AutoEP: {' '.join(str(exc).split())}") from None
         failed = exc
     except Exception as exc:  # noqa: BLE001 - what DeepSpeed raised is the row's finding, in one line
         failed = exc
@@ -216,8 +218,6 @@ def run(ctx, row: Row, opts) -> list:
 
 def _convert(s, model, world: int) -> tuple[Live | None, object]:
     """deepspeed.initialize with AutoEP on `model`, and what it made of it; or (None, the row's one failed line)."""
-    from deepspeed.checkpoint.autoep_affine import autoep_experts_for_rank
-
     from moebench.libraries.deepspeed import ADAPTER as DEEPSPEED
 
     ids_before = {id(p): n for n, p in model.named_parameters()}
@@ -227,7 +227,7 @@ def _convert(s, model, world: int) -> tuple[Live | None, object]:
     if failed is not None:
         return None, failed
     moe = engine.module.get_submodule(rm.MLP[:-1])
-    held = [int(e) for e in autoep_experts_for_rank(moe.expert_placement_descriptor, moe.ep_rank)]
+    held = rm.experts_held(moe)
     return Live(engine=engine, names=dict(engine.module.named_parameters()),
                 units=units_of(engine, ids_before, held), held=held), None
 

@@ -81,7 +81,6 @@ def engine_rank(rank, world, store_path, out, deadline):
         init_deepspeed(rank, world, store_path, deadline)
         import deepspeed
         import deepspeed.comm as ds_dist
-        from deepspeed.checkpoint.autoep_affine import autoep_experts_for_rank
         from deepspeed.utils import safe_get_full_grad
 
         if ROW.transformers_shim and registry_needs_shim():
@@ -94,7 +93,7 @@ def engine_rank(rank, world, store_path, out, deadline):
                                           config=engine_config(ROW, world))
         phase = TRAINING
         moe = engine.module.get_submodule(MLP[:-1])
-        held = [int(e) for e in autoep_experts_for_rank(moe.expert_placement_descriptor, moe.ep_rank)]
+        held = experts_held(moe)
         names = dict(engine.module.named_parameters())
 
         def units(tensors):
