@@ -178,7 +178,7 @@ def _grad_finding(v: StepView, wrong: dict, tag: str) -> dict[str, Any]:
         return _finding("reduced gradient", ROUTER_DETACHED,
                         f"the router's reduced gradient ({label(router[0])}) is exactly zero while the loss is right: "
                         "the routing weights reach the output without a gradient path back to the router (detached, "
-                        "or gathered by an operation with no backward)", where)
+                        "or gathered by an operation with no backward)", f"{tag}, router ({label(router[0])})")
     for unit, (a, _) in wrong.items():
         for alt, t in _accum_alternatives(v, unit).items():
             if _close(a, t):

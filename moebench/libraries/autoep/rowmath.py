@@ -85,20 +85,42 @@ def model_class(family: str):
             "qwen2_moe": hf.Qwen2MoeForCausalLM, "deepseek_v3": hf.DeepseekV3ForCausalLM}[family]
 
 
+MAX_DRAWS = 64
+"""How many weight draws build() tries before it gives up on a seed (measured on seeds 0-10, every family and
+top-k: at most 6 draws, DeepSeek-V3 top-1; seed 0 needs one everywhere)."""
+
+
 def build(family: str, top_k: int, seed: int):
     """The family's model, float32, in train mode, with seeded weights: every matrix N(0, 1/fan_in) (routing and
-    outputs O(1)), norms 1, DeepSeek-V3's score-correction bias N(0, 0.1^2) (so it moves the routing)."""
+    outputs O(1)), norms 1, DeepSeek-V3's score-correction bias N(0, 0.1^2) (so it moves the routing).
+    Weights are drawn again from the same generator until every expert gets tokens on the first step's slices of
+    ranks 0 and 1 (in every row's first step at any W >= 2): what every row asserts of itself (run._premises),
+    chosen on this float32 model alone, never on a library's output; a few seeds need a second draw (a tiny
+    random router can leave an expert unchosen by all 128 tokens, most often DeepSeek-V3's grouped routing)."""
     config = family_config(family, top_k)
     torch.manual_seed(seed)
     model = model_class(family)(config).float()
     g = torch.Generator().manual_seed(seed * 7919 + 3)
+    for _ in range(MAX_DRAWS):
+        with torch.no_grad():
+            for name, t in model.state_dict().items():
+                if not t.is_floating_point() or name.endswith("norm.weight"):
+                    continue
+                scale = 0.1 if name.endswith("e_score_correction_bias") else t.shape[-1] ** -0.5
+                t.copy_(torch.randn(t.shape, generator=g) * scale)
+        if min(first_routes(model.train(), seed)) > 0:
+            return model
+    raise ValueError(f"{family} top-{top_k}: no weight draw of seed {seed} routes tokens to every expert "
+                     f"in {MAX_DRAWS} draws: try another --seed")
+
+
+def first_routes(model, seed: int) -> list:
+    """Routes per expert over the first step's first micro-batch of ranks 0 and 1."""
+    routes = torch.zeros(EXPERTS, dtype=torch.long)
     with torch.no_grad():
-        for name, t in model.state_dict().items():
-            if not t.is_floating_point() or name.endswith("norm.weight"):
-                continue
-            scale = 0.1 if name.endswith("e_score_correction_bias") else t.shape[-1] ** -0.5
-            t.copy_(torch.randn(t.shape, generator=g) * scale)
-    return model.train()
+        for rank in (0, 1):
+            routes += torch.bincount(forward(model, batch(seed, 0, 0, rank))[1][2].reshape(-1), minlength=EXPERTS)
+    return routes.tolist()
 
 
 def batch(seed: int, step: int, micro: int, rank: int) -> torch.Tensor:
