@@ -126,7 +126,8 @@ def verify_parity(
     ds_config: Optional[str] = flags.bounded_option(
         None, "--ds-config", bound=BOUNDS["--ds-config"], metavar="FILE",
         help="Verify your DeepSpeed config: its ZeRO stage, gradient_clipping, gradient_accumulation_steps "
-        "and precision on the engine rows, optimizer replaced by SGD (implies --library deepspeed).",
+        "and precision on the engine rows (and AutoEP's, with --library autoep), optimizer replaced by SGD "
+        "(implies --library deepspeed).",
     ),
     repro: Optional[str] = flags.bounded_option(
         None, "--repro", bound=BOUNDS["--repro"], metavar="DIR",

@@ -138,11 +138,12 @@ def conformance(rows: list[dict[str, Any]], width: int = WIDTH) -> str:
 
 
 def library_list(statuses: list, width: int = WIDTH) -> str:
-    """One line per library: version, whether it runs here, and the one line why not (then which releases run here,
-    when the adapter says)."""
-    header = ["library", "version", "runs", "why not"]
+    """One line per library: version, whether it runs here, and the one line why not (or its note, when it runs),
+    then which releases run here, when the adapter says."""
+    header = ["library", "version", "runs", "why not / note"]
     cells = [[s.name, s.version or "-", "no" if s.why_not else "yes",
-              " ".join(filter(None, [s.why_not, f"(releases: {s.releases})" if getattr(s, "releases", None) else ""]))]
+              " ".join(filter(None, [s.why_not or getattr(s, "note", None),
+                                     f"(releases: {s.releases})" if getattr(s, "releases", None) else ""]))]
              for s in statuses]
     fixed, _ = _fit([c[:3] for c in cells], header[:3], width // 2)
     indent = sum(fixed) + 2 * 3

@@ -27,6 +27,7 @@ BUILTIN = {
     "torchtitan": "moebench.libraries.torchtitan:ADAPTER",
     "automodel": "moebench.libraries.automodel:ADAPTER",
     "megatron": "moebench.libraries.megatron:ADAPTER",
+    "autoep": "moebench.libraries.autoep:ADAPTER",
 }
 """Library name -> its adapter object ("module:attribute")."""
 ENTRY_POINT_GROUP = "moebench.adapters"
@@ -93,6 +94,8 @@ class Status:
     """One line: why it cannot run here (None: it can)."""
     extra: str
     """Its pip extra ("" for an installed package's adapter)."""
+    note: str | None = None
+    """One line beside a library that runs here (Adapter.note), or None."""
     source: str = "built-in"
     """"built-in", or the entry point ("module:attribute") an installed package registered."""
     releases: str | None = None
@@ -108,9 +111,11 @@ def status(name: str) -> Status:
                       extra=name if name in BUILTIN else "", source=source)
     try:
         version, why_not, releases = adapter.version(), adapter.unavailable(), adapter.releases()
+        note = None if why_not else adapter.note()
     except Exception as exc:  # noqa: BLE001 - probing a library must not break --list
-        version, why_not, releases = None, f"probe failed: {type(exc).__name__}: {exc}", None
-    return Status(name=name, version=version, why_not=why_not, extra=adapter.extra, source=source, releases=releases)
+        version, why_not, releases, note = None, f"probe failed: {type(exc).__name__}: {exc}", None, None
+    return Status(name=name, version=version, why_not=why_not, extra=adapter.extra, source=source, releases=releases,
+                  note=note)
 
 
 def statuses() -> list[Status]:

@@ -8,7 +8,8 @@ mathematics on one process. It subclasses `Adapter` and declares, as data and pl
   comparisons (moebench.parity.compare), each with its `group` set where it is made;
 - optional, with defaults: `skip_reason(row)` (asked in the parent, before any rank starts),
   `repro_script(row, seed)`, `preload` (modules imported before the ranks fork; only those the installed
-  release has are imported), `timeout_s`, `version()`, `unavailable()`, `install_hint()`, `releases()`.
+  release has are imported), `timeout_s`, `version()`, `unavailable()`, `install_hint()`, `releases()`,
+  `note()`.
 Nothing else is read from an adapter: no attribute is probed, no signature inspected. A row's configuration
 is data in the row (`kind` picks the runner, `settings` holds the rest), so the console, `--json`, the
 report and `--repro` read the same thing. docs/adding-a-library.md walks through an adapter.
@@ -169,6 +170,11 @@ class Adapter:
         """One line why the library cannot run here, or None (must not import the library)."""
         if importlib.util.find_spec(self.import_name) is None:
             return f"not installed: {self.install_hint()}"
+        return None
+
+    def note(self) -> str | None:
+        """One line `--list` shows beside a library that runs here: a caveat a user should know (which release of a
+        library it builds on its rows run with, and how to get another), or None."""
         return None
 
     def skip_reason(self, row: Row) -> str | None:

@@ -37,6 +37,11 @@ class LibraryRequest:
     """--row: run only the rows whose key matches one of these shell globs."""
 
 
+DS_CONFIG_READERS = {"deepspeed": "moebench.libraries.deepspeed.user_config:read_user_config",
+                     "autoep": "moebench.libraries.autoep.user_config:read_user_config"}
+"""The libraries whose rows take their settings from --ds-config, and the reader of each."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Prepared:
     """A checked request: the adapters, world sizes and user settings a run takes."""
@@ -69,16 +74,20 @@ def prepare(request: LibraryRequest, results_dir: str | None = None) -> Prepared
     summary_extra: dict[str, Any] = {}
     user_configs: dict[str, Any] = {}
     if request.ds_config is not None:
-        from moebench.libraries.deepspeed.user_config import read_user_config
+        import importlib
 
-        if libraries and "deepspeed" not in libraries:
-            raise UserError("verifies DeepSpeed's rows; add deepspeed to --library or drop --ds-config",
-                            flag="--ds-config")
-        settings, notes = read_user_config(request.ds_config)
+        takers = [n for n in DS_CONFIG_READERS if n in libraries] if libraries else ["deepspeed"]
+        if not takers:
+            raise UserError(f"verifies DeepSpeed's rows; add {' or '.join(DS_CONFIG_READERS)} to --library or drop "
+                            "--ds-config", flag="--ds-config")
+        notes: list[str] = []
+        for name in takers:  # each library's rows take what they verify from the same file
+            module, _, attr = DS_CONFIG_READERS[name].partition(":")
+            user_configs[name], more = getattr(importlib.import_module(module), attr)(request.ds_config)
+            notes += [n for n in more if n not in notes]
         libraries = libraries or ("deepspeed",)
-        user_configs["deepspeed"] = settings
-        summary_extra["ds_config"] = {"path": os.path.abspath(request.ds_config), "settings": settings,
-                                      "notes": notes}
+        summary_extra["ds_config"] = {"path": os.path.abspath(request.ds_config),
+                                      "settings": user_configs[takers[0]], "notes": notes}
     if not libraries and request.adapter is None:
         raise UserError("names no library; give --library NAME or --adapter pkg.mod:ADAPTER", flag="--library")
     sizes = DEFAULT_WORLD_SIZES if request.world_size is None else (request.world_size,)
@@ -198,7 +207,7 @@ def rerun_command(prepared: Prepared, record: dict[str, Any], config) -> str:
              f"-n {record['world_size']}"]
     if "resume" in record.get("features", ()):
         words.append("--resume")
-    if request.ds_config is not None and record["library"] == "deepspeed":
+    if request.ds_config is not None and record["library"] in DS_CONFIG_READERS:
         words.append(f"--ds-config {shlex.quote(os.path.abspath(request.ds_config))}")
     if config.seed:
         words.append(f"--seed {config.seed}")

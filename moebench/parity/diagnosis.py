@@ -66,6 +66,15 @@ CLIP_NORM_WITHOUT_GROUP = "clip-norm-without-group"
 OVERFLOW_SKIP = "overflow-skip"
 """fp16 loss scaling skipped a step the one-process run does not overflow on, or applied one it overflows on (a
 step skipped where both overflow is loss scaling's design, and passes)."""
+ROUTER_DETACHED = "router-detached"
+"""The router's gradient is exactly zero while the output is right: the routing weights reach the output without a
+gradient path back to the router (detached, or gathered by an operation with no backward)."""
+NOT_STEPPED = "not-stepped"
+"""Gradients right, but the optimizer step leaves some parameters exactly unchanged: they are not in its
+parameter groups (e.g. parameters a library created after the optimizer was given the model's)."""
+INCOMPATIBLE_RELEASE = "incompatible-release"
+"""The library fails before training with the installed release of a library it builds on (its one line names both
+versions and the call that broke), e.g. DeepSpeed's AutoEP with a transformers it was not written for."""
 
 # ---- a resumed run's restored state (restore.py)
 NOT_RESTORED = "not-restored"

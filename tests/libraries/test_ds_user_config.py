@@ -186,7 +186,7 @@ def _nothing_written() -> bool:
     ({"gradient_accumulation_steps": 10**21}, (), "must be at most 1024"),
     (BAD[0][0], (), BAD[0][1]),
     ({}, ("--checks", "deepspeed-moe-ep"), "not checks; drop --checks or --ds-config"),
-    ({}, ("--library", "fairscale"), "add deepspeed to --library or drop --ds-config"),
+    ({}, ("--library", "fairscale"), "add deepspeed or autoep to --library or drop --ds-config"),
 ])
 def test_bad_ds_config_on_the_cli_is_one_line_exit_2_and_nothing_written(tmp_path, doc, extra, needle):
     result = _invoke("--ds-config", _file(tmp_path, doc), *extra)

@@ -12,7 +12,7 @@ atomically; rank 0 alone). The summary gains "repro": [{"check", "path"}] and "n
 One template mechanism for every script (`fill`): a template is a file in templates/, with exactly one line
 marked `# @SETTINGS@` (replaced by the row's settings as a JSON literal) and optionally lines marked with the
 INSERTS below (each replaced by a file of moebench: the harness most scripts share, the expert layout, the
-DeepSpeed rows' model and mathematics), so a script reproduces its row with the tool's own code.
+DeepSpeed rows' and the AutoEP rows' model and mathematics), so a script reproduces its row with the tool's own code.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ INSERTS = {"@HARNESS@": ("moebench.libraries.repro", "templates/harness.py"),
            "@TINYMOE@": ("moebench.models", "deepspeed_moe.py"),
            "@NOISEMATH@": ("moebench.parity", "noisemath.py"),
            "@ROWMATH@": ("moebench.libraries.deepspeed", "rowmath.py"),
-           "@HALFMATH@": ("moebench.libraries.deepspeed", "halfmath.py")}
+           "@HALFMATH@": ("moebench.libraries.deepspeed", "halfmath.py"),
+           "@AUTOEPMATH@": ("moebench.libraries.autoep", "rowmath.py")}
 """Marker -> the file pasted in its place (at most one line each): the parts of moebench a script shares with the
 tool, so both build the same model from the same seed and read it the same way. A pasted file imports only the
 stdlib, torch and the library; its `from __future__` line is left out (it must open a file), and so is a line
