@@ -27,7 +27,10 @@ def _private_results(tmp_path, monkeypatch):
     from moebench import signals
 
     signals.reset()  # a signal one test sent must not interrupt the next
-    yield
+    from helpers.procsignals import dispositions_kept
+
+    with dispositions_kept():  # a command run in process must not leave SIG_IGN to the next test's processes
+        yield
 
 
 @pytest.fixture

@@ -123,3 +123,23 @@ def test_signal_sweep_20_offsets(tmp_path, ranks):
     for i, offset in enumerate(_offsets(lifetime, 20)):
         for sig in (signal.SIGINT, signal.SIGTERM):
             _signal_at(tmp_path / f"{i}-{sig}", ranks, offset, sig)
+
+
+def test_a_command_run_in_process_leaves_ctrl_c_to_the_processes_started_after_it():
+    """The test process ran a command in process (which ends by ignoring SIGINT and SIGTERM) or held signals
+    (signals.held blocks them); a process it starts afterwards must still die of Ctrl-C. Seen under two pytest
+    workers: the Ctrl-C tests of the launcher and of a --repro script failed, the script running to its end."""
+    from helpers.procsignals import dispositions_kept
+
+    from moebench import signals
+
+    probe = [sys.executable, "-c", "import re, signal; blocked = int(re.search(r'SigBlk:\\s*(\\w+)', "
+             "open('/proc/self/status').read()).group(1), 16); "
+             "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler, bool(blocked & 2))"]
+    with dispositions_kept():
+        signals.ignore()
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        leaked = subprocess.run(probe, capture_output=True, text=True, timeout=60).stdout.split()
+    signals.reset()
+    after = subprocess.run(probe, capture_output=True, text=True, timeout=60).stdout.split()
+    assert (leaked, after) == (["False", "True"], ["True", "False"])

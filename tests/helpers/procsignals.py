@@ -6,6 +6,7 @@ moebench installs its handlers for both signals at the first line of `moebench.e
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import subprocess
@@ -39,3 +40,20 @@ def wait_for_handlers(proc: subprocess.Popen, timeout_s: float = 60.0) -> float:
             raise AssertionError(f"the command ended (exit {proc.poll()}) before moebench installed its handlers")
         time.sleep(POLL_S)
     raise AssertionError(f"moebench's signal handlers were not installed within {timeout_s:.0f} s")
+
+
+@contextlib.contextmanager
+def dispositions_kept():
+    """SIGINT and SIGTERM handled (and unblocked) on the way out as on the way in. A command run in the test
+    process ends by ignoring both (signals.ignore), and signals.held() blocks them: every process the test process
+    starts afterwards would inherit SIG_IGN or the mask and never see a Ctrl-C (conftest.py wraps each test in
+    this; seen under two pytest workers: a Ctrl-C'd script ran to its end with exit 0)."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])  # blocked signals are inherited through exec too
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        for sig, handler in handlers.items():
+            if handler is not None:
+                signal.signal(sig, handler)
