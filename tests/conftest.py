@@ -9,6 +9,17 @@ import pytest
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _ctrl_c_as_from_a_terminal():
+    """The tests send Ctrl-C to the processes they start and expect what a terminal's user gets. A pytest started
+    from a background job of a script (`make test &`, CI runners, nohup) begins with SIGINT ignored, and every
+    process it starts would inherit that and never see the Ctrl-C: the session starts them as a terminal would."""
+    from helpers.procsignals import as_from_a_terminal
+
+    as_from_a_terminal()
+    yield
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _session_probe_cache(tmp_path_factory):
     """Import-probe answers (moebench.probecache) shared by this session's tests and the commands they start,
     never the user's own cache: each session probes its libraries once."""
@@ -29,8 +40,9 @@ def _private_results(tmp_path, monkeypatch):
     signals.reset()  # a signal one test sent must not interrupt the next
     from helpers.procsignals import dispositions_kept
 
-    with dispositions_kept():  # a command run in process must not leave SIG_IGN to the next test's processes
+    with dispositions_kept():  # what one test does to SIGINT/SIGTERM, the next test's processes do not inherit
         yield
+
 
 
 @pytest.fixture

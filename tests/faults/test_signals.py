@@ -127,8 +127,7 @@ def test_signal_sweep_20_offsets(tmp_path, ranks):
 
 def test_a_command_run_in_process_leaves_ctrl_c_to_the_processes_started_after_it():
     """The test process ran a command in process (which ends by ignoring SIGINT and SIGTERM) or held signals
-    (signals.held blocks them); a process it starts afterwards must still die of Ctrl-C. Seen under two pytest
-    workers: the Ctrl-C tests of the launcher and of a --repro script failed, the script running to its end."""
+    (signals.held blocks them); a process it starts afterwards must still die of Ctrl-C."""
     from helpers.procsignals import dispositions_kept
 
     from moebench import signals
@@ -143,3 +142,22 @@ def test_a_command_run_in_process_leaves_ctrl_c_to_the_processes_started_after_i
     signals.reset()
     after = subprocess.run(probe, capture_output=True, text=True, timeout=60).stdout.split()
     assert (leaked, after) == (["False", "True"], ["True", "False"])
+
+
+PROBE = [sys.executable, "-c", "import re, signal; blocked = int(re.search(r'SigBlk:\\s*(\\w+)', "
+         "open('/proc/self/status').read()).group(1), 16); "
+         "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler, bool(blocked & 2))"]
+"""Prints whether the process it starts would raise KeyboardInterrupt on Ctrl-C, and whether SIGINT is blocked."""
+
+
+def test_the_processes_a_test_starts_get_ctrl_c():
+    assert subprocess.run(PROBE, capture_output=True, text=True, timeout=60).stdout.split() == ["True", "False"]
+
+
+def test_a_suite_started_with_ctrl_c_ignored_still_starts_processes_that_get_it():
+    """`make test &` from a script (a CI runner, nohup) starts pytest with SIGINT ignored; the Ctrl-C tests then
+    failed: their scripts inherited SIG_IGN and ran to their end (measured here: 5 failures, 30 s each)."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                           f"{__file__}::test_the_processes_a_test_starts_get_ctrl_c"], capture_output=True,
+                          text=True, timeout=120, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-2000:]

@@ -45,9 +45,8 @@ def wait_for_handlers(proc: subprocess.Popen, timeout_s: float = 60.0) -> float:
 @contextlib.contextmanager
 def dispositions_kept():
     """SIGINT and SIGTERM handled (and unblocked) on the way out as on the way in. A command run in the test
-    process ends by ignoring both (signals.ignore), and signals.held() blocks them: every process the test process
-    starts afterwards would inherit SIG_IGN or the mask and never see a Ctrl-C (conftest.py wraps each test in
-    this; seen under two pytest workers: a Ctrl-C'd script ran to its end with exit 0)."""
+    process ends by ignoring both (signals.ignore), and signals.held() blocks them: a process the test process
+    started afterwards would inherit SIG_IGN or the mask and never see a Ctrl-C (conftest.py wraps each test)."""
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])  # blocked signals are inherited through exec too
     try:
@@ -57,3 +56,11 @@ def dispositions_kept():
         for sig, handler in handlers.items():
             if handler is not None:
                 signal.signal(sig, handler)
+
+
+def as_from_a_terminal() -> None:
+    """SIGINT raises KeyboardInterrupt, SIGTERM terminates, neither is blocked: what a process started from a terminal
+    has, whatever this process inherited (a background job of a script starts with SIGINT ignored)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
