@@ -56,7 +56,7 @@ $(STAMP): pyproject.toml Makefile $(CONSTRAINTS) moebench/frameworks.txt
 	@touch $(STAMP)
 
 test: install lint
-	$(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check moebench tests
