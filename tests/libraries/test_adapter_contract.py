@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -49,6 +50,17 @@ def test_the_adapter_meets_the_protocol(adapter):
             assert reason is None or (isinstance(reason, str) and reason and "\n" not in reason)
 
 
+def _undefined_names(source: str) -> list[str]:
+    """The names a script uses and never defines (ruff's F821), read without running it."""
+    ruff = Path(sys.executable).with_name("ruff")
+    if not ruff.exists():
+        pytest.skip("ruff is not installed beside this interpreter")
+    done = subprocess.run([str(ruff), "check", "--isolated", "--select", "F821", "--output-format", "concise",
+                           "--stdin-filename", "repro.py", "-"], input=source, capture_output=True, text=True,
+                          timeout=60)
+    return [line for line in done.stdout.splitlines() if "F821" in line]
+
+
 @pytest.mark.parametrize("adapter", ADAPTERS, ids=[a.name for a in ADAPTERS])
 def test_a_repro_script_is_none_or_standalone(adapter):
     if adapter.unavailable():
@@ -66,4 +78,6 @@ def test_a_repro_script_is_none_or_standalone(adapter):
                      if isinstance(node, ast.ImportFrom) and node.module and not node.level}
         assert imported - set(sys.stdlib_module_names) <= STANDALONE, (row.key(), imported)
         compile(source, f"{row.key()}.py", "exec")
+        undefined = _undefined_names(source)  # a pasted file renamed a name the template still calls
+        assert not undefined, (row.key(), undefined)
     assert scripts or adapter.name in ("torchtitan", "automodel", "inhouse-moe")

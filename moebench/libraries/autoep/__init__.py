@@ -15,8 +15,8 @@ fp32 masters, --ds-config reader): AutoEP is DeepSpeed's engine, and its rows ar
 from __future__ import annotations
 
 from moebench.libraries.autoep import compat
-from moebench.libraries.autoep.rowmath import EXPERTS, FAMILIES
 from moebench.libraries.autoep.rows import KIND, NAME, PRECISIONS, matrix, row_of, user_matrix
+from moebench.libraries.autoep.shape import EXPERTS, FAMILIES
 from moebench.libraries.spec import Adapter, Row, install_hint
 
 PRELOAD = (

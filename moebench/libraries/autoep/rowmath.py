@@ -14,20 +14,16 @@ import re
 
 import torch
 
-FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3")
-"""The Hugging Face MoE families AutoEP has a preset for that are built here (Qwen2-MoE: Qwen3-MoE's preset)."""
+from moebench.libraries.autoep.shape import EXPERTS, FAMILIES, STEPS  # noqa: F401 # @PASTED@ (the script pastes shape.py above)
+
 HIDDEN = 32
 FFN = 16
 """Each expert's intermediate size (and the shared experts')."""
-EXPERTS = 8
-"""Routed experts: divisible by every autoep_size the rows use (2 and 4)."""
 VOCAB = 32
 SEQS, SEQ_LEN = 4, 16
 """One rank's micro-batch: SEQS sequences of SEQ_LEN tokens (64 tokens: at top-1 too every expert gets tokens)."""
 LR = 0.1
 """SGD's learning rate: an update (lr x gradient) stands well above the float32 rounding of the parameters."""
-STEPS = 2
-"""Optimizer steps per row: the second shows whether the first step's weights were right everywhere."""
 MLP = "model.layers.0.mlp."
 """The one MoE block's prefix in the model (AutoEP's presets match model.layers.N.mlp)."""
 EXPERT_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 from moebench.libraries.autoep import compat
-from moebench.libraries.autoep.rowmath import FAMILIES, STEPS
+from moebench.libraries.autoep.shape import FAMILIES, STEPS
 from moebench.libraries.spec import Row, Settings
 
 NAME = "autoep"

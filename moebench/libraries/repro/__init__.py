@@ -31,6 +31,7 @@ INSERTS = {"@HARNESS@": ("moebench.libraries.repro", "templates/harness.py"),
            "@NOISEMATH@": ("moebench.parity", "noisemath.py"),
            "@ROWMATH@": ("moebench.libraries.deepspeed", "rowmath.py"),
            "@HALFMATH@": ("moebench.libraries.deepspeed", "halfmath.py"),
+           "@AUTOEPSHAPE@": ("moebench.libraries.autoep", "shape.py"),
            "@AUTOEPMATH@": ("moebench.libraries.autoep", "rowmath.py")}
 """Marker -> the file pasted in its place (at most one line each): the parts of moebench a script shares with the
 tool, so both build the same model from the same seed and read it the same way. A pasted file imports only the

@@ -29,10 +29,15 @@ import re
 import sys
 import types
 
-# The engine rows' rowmath first: the AutoEP rowmath pasted after it defines the names both have (batch, LR, ...).
+# In this order (the names sort so): the matrix's shape, the engine rows' rowmath, the harness, the noise model
+# (its common factor reads an update), then the AutoEP rowmath, which redefines the names both have (batch, LR, ...).
+from autoep_shape import *  # noqa: F403  @AUTOEPSHAPE@ (moebench pastes moebench/libraries/autoep/shape.py here)
 from engine_rowmath import *  # noqa: F403  @ROWMATH@ (moebench pastes moebench/libraries/deepspeed/rowmath.py here)
 from harness import *  # noqa: F403  @HARNESS@ (moebench pastes the shared harness here)
+from noisemath import *  # noqa: F403  @NOISEMATH@ (moebench pastes moebench/parity/noisemath.py here)
 from rowmath import *  # noqa: F403  @AUTOEPMATH@ (moebench pastes moebench/libraries/autoep/rowmath.py here)
+
+TINY_EXPERT_PREFIX = "\0"  # the engine rowmath's names of the tiny DeepSpeed model: none in an AutoEP script
 
 SETTINGS = json.loads('{"family": "mixtral", "zero_stage": 0, "autoep_size": 2, "world_size": 2}')  # @SETTINGS@
 ROW = types.SimpleNamespace(**{"top_k": 2, "grad_accum": 1, "clip": 0.0, "precision": "fp32",
@@ -233,7 +238,7 @@ def update_factors(step):
 
 def mechanism(kind, rows):
     """One sentence: what the first divergence says about its mechanism (the tool's words and figures)."""
-    k = common_factor(rows)
+    k = rows_factor(rows)
     factor = "varying factors" if k is None else f"{k:.4g}"
     groups = ", ".join(sorted({r[4] for r in rows}))
     step, rank = rows[0][0], rows[0][2]
