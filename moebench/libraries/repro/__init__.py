@@ -26,6 +26,7 @@ from typing import Any
 SETTINGS_MARKER = "# @SETTINGS@"
 """The one template line replaced by `SETTINGS = json.loads('<the row's settings>')`."""
 INSERTS = {"@HARNESS@": ("moebench.libraries.repro", "templates/harness.py"),
+           "@ENGINEREADING@": ("moebench.libraries.repro", "templates/engine_reading.py"),
            "@LAYOUT@": ("moebench.parity", "layout.py"),
            "@TINYMOE@": ("moebench.models", "deepspeed_moe.py"),
            "@NOISEMATH@": ("moebench.parity", "noisemath.py"),

@@ -23,15 +23,16 @@ each parameter after the step. The first quantity that differs is the bug; what 
 """
 
 # ruff: noqa: F405
-import math
 import os
 import re
 import sys
 import types
 
-# In this order (the names sort so): the matrix's shape, the engine rows' rowmath, the harness, the noise model
-# (its common factor reads an update), then the AutoEP rowmath, which redefines the names both have (batch, LR, ...).
+# In this order (the names sort so): the matrix's shape, the reading of a divergence (functions only), the engine
+# rows' rowmath, the harness, the noise model (its common factor reads an update), then the AutoEP rowmath, which
+# redefines the names both have (batch, LR, ...).
 from autoep_shape import *  # noqa: F403  @AUTOEPSHAPE@ (moebench pastes moebench/libraries/autoep/shape.py here)
+from engine_reading import *  # noqa: F403  @ENGINEREADING@ (moebench pastes templates/engine_reading.py here)
 from engine_rowmath import *  # noqa: F403  @ROWMATH@ (moebench pastes moebench/libraries/deepspeed/rowmath.py here)
 from harness import *  # noqa: F403  @HARNESS@ (moebench pastes the shared harness here)
 from noisemath import *  # noqa: F403  @NOISEMATH@ (moebench pastes moebench/parity/noisemath.py here)
@@ -196,79 +197,8 @@ def describe():
             f"{SETTINGS['world_size']} gloo ranks: {shown}")
 
 
-RESULTS = {}
-"""Every process's records (set by `notes`, read by `mechanism`)."""
-
-
-def notes(results):
-    RESULTS.clear()
-    RESULTS.update(results)
-    if ROW.clip <= 0:
-        return []
-    norms = [s["norm"] for s in results["reference"]["steps"]]
-    binds = [i + 1 for i, n in enumerate(norms) if n > ROW.clip]
-    where = "at every step" if len(binds) == len(norms) else f"at steps {binds}" if binds else "never"
-    shown = ", ".join(f"{n:.4g}" for n in norms)
-    return [f"clip {ROW.clip:g} binds {where} (reference global gradient norms {shown})"]
-
-
-def own_norms(step):
-    """Per rank, the reference gradient's norm over the units that rank holds (its experts, every dense one)."""
-    grad = RESULTS["reference"]["steps"][step]["grad"]
-    return [math.sqrt(sum(float((grad[u] ** 2).sum()) for u in RESULTS[rank]["held"]))
-            for rank in range(SETTINGS["world_size"])]
-
-
-def update_factors(step):
-    """Per rank: the common factors of its updates over the reference's (rowmath.common_factors, as the tool
-    reads them) and the global norm they imply."""
-    ref_records = {(s, k, n): rest for s, k, n, *rest in RESULTS["reference"]["records"]}
-    coef = RESULTS["reference"]["steps"][step]["coef"]
-    out = []
-    for rank in range(SETTINGS["world_size"]):
-        updates, afters = {}, {}
-        for s, k, n, _group, tensor, *_ in RESULTS[rank]["records"]:
-            if s == step and k in (UPDATE, AFTER) and (s, k, n) in ref_records:
-                unit = n.rsplit(" update applied", 1)[0] if k == UPDATE else n.rsplit(" after the step", 1)[0]
-                (updates if k == UPDATE else afters)[unit] = (tensor, ref_records[(s, k, n)][1])
-        factors = common_factors(updates, afters, SETTINGS["world_size"])
-        out.append((factors, implied_norm(ROW.clip, factors[0], coef) if factors and len(factors) == 1 else None))
-    return out
-
-
-def mechanism(kind, rows):
-    """One sentence: what the first divergence says about its mechanism (the tool's words and figures)."""
-    k = rows_factor(rows)
-    factor = "varying factors" if k is None else f"{k:.4g}"
-    groups = ", ".join(sorted({r[4] for r in rows}))
-    step, rank = rows[0][0], rows[0][2]
-    ref_norm = RESULTS["reference"]["steps"][step]["norm"] if RESULTS else 0.0
-    if kind == LOSS:
-        return "The forward pass differs (the router, the experts' exchange or the conversion of the model)."
-    if kind == GRAD:
-        return f"The reduced gradients of the {groups} group(s) differ (scaled by {factor})."
-    if kind == NORM:
-        norms = {r[2]: float(r[9][0]) for r in rows}
-        engine = norms[rank]
-        said = (f"Reduced gradients right; the engine's global gradient norm is {engine:.4g} on rank {rank}, the "
-                f"reference's {ref_norm:.4g} (x {engine / ref_norm:.4g}): the clip coefficient differs, so every "
-                "update is scaled by it")
-        if len(norms) == SETTINGS["world_size"]:
-            said += which_norm([norms[r] for r in sorted(norms)], own_norms(step), ref_norm)
-        return said + "."
-    if kind == UPDATE:
-        per_rank = update_factors(step)
-        factors = per_rank[rank][0]
-        if ROW.clip > 0 and factors:
-            said = (f"Reduced gradients right; every update on rank {rank} is the reference's scaled by one common "
-                    f"factor per rank or ZeRO partition ({', '.join(f'{f:.4g}' for f in factors)}): the global "
-                    "gradient norm or the clip coefficient differs")
-            if all(implied is not None for _, implied in per_rank):
-                said += which_norm([i for _, i in per_rank], own_norms(step), ref_norm)
-            return said + "."
-        return "Reduced gradients agree, the applied step does not: partitioning or the copy back."
-    return "The update agrees, the parameter does not: the updated partition was copied back wrongly."
-
+FORWARD_DIFFERS = "The forward pass differs (the router, the experts' exchange or the conversion of the model)."
+"""What mechanism() says when the loss differs first."""
 
 if __name__ == "__main__":
     sys.exit(main(world=int(SETTINGS["world_size"]), library_rank=engine_rank, reference_rank=reference_rank,

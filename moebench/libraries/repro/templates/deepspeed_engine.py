@@ -22,11 +22,11 @@ that differs is the bug; what follows it is its consequence.
 """
 
 # ruff: noqa: F405
-import math
 import os
 import sys
 import types
 
+from engine_reading import *  # noqa: F403  @ENGINEREADING@ (moebench pastes templates/engine_reading.py here)
 from harness import *  # noqa: F403  @HARNESS@ (moebench pastes the shared harness here)
 from noisemath import *  # noqa: F403  @NOISEMATH@ (moebench pastes moebench/parity/noisemath.py here)
 from rowmath import *  # noqa: F403  @ROWMATH@ (moebench pastes moebench/libraries/deepspeed/rowmath.py here)
@@ -190,81 +190,8 @@ def describe():
     return f"DeepSpeed {deepspeed.__version__} engine, {SETTINGS['world_size']} gloo ranks: {shown}"
 
 
-RESULTS = {}
-"""Every process's records (set by `notes`, read by `mechanism`)."""
-
-
-def notes(results):
-    RESULTS.clear()
-    RESULTS.update(results)
-    if ROW.clip <= 0:
-        return []
-    norms = [s["norm"] for s in results["reference"]["steps"]]
-    binds = [i + 1 for i, n in enumerate(norms) if n > ROW.clip]
-    where = "at every step" if len(binds) == len(norms) else f"at steps {binds}" if binds else "never"
-    shown = ", ".join(f"{n:.4g}" for n in norms)
-    return [f"clip {ROW.clip:g} binds {where} (reference global gradient norms {shown})"]
-
-
-def own_norms(step):
-    """Per rank, the reference gradient's norm over the parameters that rank holds (its experts alone)."""
-    grad = RESULTS["reference"]["steps"][step]["grad"]
-    return [math.sqrt(sum(float((grad[g] ** 2).sum()) for g in RESULTS[rank]["held"]))
-            for rank in range(SETTINGS["world_size"])]
-
-
-def update_factors(step):
-    """Per rank: the common factors of its updates over the reference's (rowmath.common_factors, as the tool
-    reads them) and the global norm they imply."""
-    world = SETTINGS["world_size"]
-    ref_records = {(s, k, n): rest for s, k, n, *rest in RESULTS["reference"]["records"]}
-    coef = RESULTS["reference"]["steps"][step]["coef"]
-    out = []
-    for rank in range(world):
-        updates, afters = {}, {}
-        for s, k, n, _group, tensor, *before in RESULTS[rank]["records"]:
-            if s != step or k not in (UPDATE, AFTER):
-                continue
-            gname = n.rsplit(" update applied", 1)[0] if k == UPDATE else n.rsplit(" after the step", 1)[0]
-            (updates if k == UPDATE else afters)[gname] = (tensor, ref_records[(s, k, n)][1])
-        factors = common_factors(updates, afters, world)
-        out.append((factors, implied_norm(ROW.clip, factors[0], coef) if factors and len(factors) == 1 else None))
-    return out
-
-
-def mechanism(kind, rows):
-    """One sentence: what the first divergence says about its mechanism (the tool's words and figures)."""
-    k = rows_factor(rows)
-    factor = "varying factors" if k is None else f"{k:.4g}"
-    groups = ", ".join(sorted({r[4] for r in rows}))
-    step, rank = rows[0][0], rows[0][2]
-    ref_norm = RESULTS["reference"]["steps"][step]["norm"] if RESULTS else 0.0
-    if kind == LOSS:
-        return "The forward pass differs (the gate, the experts' exchange or the model itself)."
-    if kind == GRAD:
-        return f"The reduced gradients of the {groups} group(s) differ (scaled by {factor})."
-    if kind == NORM:
-        norms = {r[2]: float(r[9][0]) for r in rows}
-        engine = norms[rank]
-        said = (f"Reduced gradients right; the engine's global gradient norm is {engine:.4g} on rank {rank}, the "
-                f"reference's {ref_norm:.4g} (x {engine / ref_norm:.4g}): the clip coefficient differs, so every "
-                "update is scaled by it")
-        if len(norms) == SETTINGS["world_size"]:
-            said += which_norm([norms[r] for r in sorted(norms)], own_norms(step), ref_norm)
-        return said + "."
-    if kind == UPDATE:
-        per_rank = update_factors(step)
-        factors = per_rank[rank][0]
-        if ROW.clip > 0 and factors:
-            said = (f"Reduced gradients right; every update on rank {rank} is the reference's scaled by one common "
-                    f"factor per rank or ZeRO partition ({', '.join(f'{f:.4g}' for f in factors)}): the global "
-                    "gradient norm or the clip coefficient differs")
-            if all(implied is not None for _, implied in per_rank):
-                said += which_norm([i for _, i in per_rank], own_norms(step), ref_norm)
-            return said + "."
-        return "Reduced gradients agree, the applied step does not: partitioning or the copy back."
-    return "The update agrees, the parameter does not: the updated partition was copied back wrongly."
-
+FORWARD_DIFFERS = "The forward pass differs (the gate, the experts' exchange or the model itself)."
+"""What mechanism() says when the loss differs first."""
 
 if __name__ == "__main__":
     sys.exit(main(world=int(SETTINGS["world_size"]), library_rank=engine_rank, reference_rank=reference_rank,
