@@ -14,7 +14,8 @@ Guarantees, whatever the function does:
 - the process-group timeout is shorter than the deadline, so a collective that waits on a dead
   peer raises inside the rank (and its traceback reaches the user) before the deadline kills it;
 - a rank that raises: its rank number and traceback come back; the surviving ranks get a short
-  grace period, then are dumped and killed;
+  grace period, then are dumped and killed; the rank that failed first (not a peer that lost its
+  connection to it afterwards) is named as the cause;
 - no process outlives the call: success, failure, hang, Ctrl-C or SIGTERM. Children die with the
   parent too (PR_SET_PDEATHSIG), so even a SIGKILLed parent leaves no orphan.
 
@@ -65,6 +66,9 @@ STACK_DUMP_WAIT_S = 1.0
 PG_TIMEOUT_FRACTION = 0.75
 # listen() backlog of the rendezvous socket: every local rank (at most 64) may connect at once.
 LISTEN_BACKLOG = 128
+# What a rank raises when a peer it talks to has gone (that peer's failure is the cause, not this):
+# gloo's pairs, the TCPStore client (the store lives in rank 0), torch's wrappers of both.
+KNOCK_ON_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "DistNetworkError")
 
 
 
@@ -107,10 +111,26 @@ class LaunchResult:
     stuck_ranks: list[int]
     elapsed_s: float
     label: str = ""
+    failed_at: dict[int, float] = dataclasses.field(default_factory=dict)
+    """rank -> wall-clock time its function raised (ranks that died without a result have none)."""
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+    def failure_order(self) -> list[int]:
+        """The ranks with errors, the cause first: one rank failing takes its peers down with it (a
+        collective or the store's connection breaks under them), so errors that only say a peer went
+        away come last, and among the rest the earliest failure leads."""
+        def key(rank: int) -> tuple[bool, float, int]:
+            knock_on = any(words in self.errors[rank] for words in KNOCK_ON_ERRORS)
+            return knock_on, self.failed_at.get(rank, float("inf")), rank
+        return sorted(self.errors, key=key)
+
+    def cause(self) -> tuple[int, str] | None:
+        """(rank, traceback) of the failure that started it, or None when no rank raised or died."""
+        order = self.failure_order()
+        return (order[0], self.errors[order[0]]) if order else None
 
     def describe(self) -> str:
         """A human explanation of a non-ok result: which ranks, what they said, where they were."""
@@ -119,8 +139,10 @@ class LaunchResult:
         lines = [f"{self.label or 'launch'}: {self.status} on {self.world_size} rank(s) after {self.elapsed_s:.1f} s"]
         if self.stuck_ranks:
             lines.append(f"stuck ranks: {self.stuck_ranks}")
-        for rank, text in sorted(self.errors.items()):
-            lines.append(f"--- rank {rank} raised:\n{text.rstrip()}")
+        order = self.failure_order()
+        for rank in order:
+            after = f" (after rank {order[0]} failed)" if rank != order[0] else ""
+            lines.append(f"--- rank {rank} raised{after}:\n{self.errors[rank].rstrip()}")
         for rank, text in sorted(self.stacks.items()):
             lines.append(f"--- rank {rank} stacks when killed:\n{text.rstrip()}")
         return "\n".join(lines)
@@ -263,6 +285,7 @@ def _launch_local(fn, args, world_size, backend, timeout_s, label, env, method) 
         stack.close()
     returns: list[Any] = [None] * world_size
     errors: dict[int, str] = {}
+    raised_at: dict[int, float] = {}
     stacks: dict[int, str] = {}
     for rank, p in enumerate(procs):
         payload = _read_payload(workdir, rank)
@@ -270,6 +293,8 @@ def _launch_local(fn, args, world_size, backend, timeout_s, label, env, method) 
             returns[rank] = payload["value"]
         elif payload is not None:
             errors[rank] = payload["error"]
+            if "at" in payload:
+                raised_at[rank] = payload["at"]
         stack_file = workdir / f"stacks{rank}.txt"
         stack_text = stack_file.read_text(errors="replace") if stack_file.exists() else ""
         if payload is None and rank not in stuck:
@@ -284,7 +309,7 @@ def _launch_local(fn, args, world_size, backend, timeout_s, label, env, method) 
     shutil.rmtree(workdir, ignore_errors=True)
     return LaunchResult(
         status=status, world_size=world_size, backend=backend, returns=returns, errors=errors,
-        stacks=stacks, stuck_ranks=stuck, elapsed_s=time.monotonic() - start, label=label,
+        stacks=stacks, stuck_ranks=stuck, elapsed_s=time.monotonic() - start, label=label, failed_at=raised_at,
     )
 
 
@@ -331,7 +356,7 @@ def _child_main(fn, args, rank, world_size, backend, pg_timeout_s, workdir, env)
         value = fn(ctx, *args)
         payload = {"ok": True, "value": value}
     except BaseException:  # noqa: BLE001 - everything a rank raises must reach the user
-        payload = {"ok": False, "error": traceback.format_exc()}
+        payload = {"ok": False, "error": traceback.format_exc(), "at": time.time()}
     _write_payload(workdir, rank, payload)
     try:
         if dist.is_initialized() and payload["ok"]:
@@ -518,7 +543,7 @@ def _run_as_torchrun_rank(fn, args, backend, timeout_s, label) -> LaunchResult:
         try:
             payload = {"ok": True, "value": fn(ctx, *args)}
         except Exception:  # noqa: BLE001
-            payload = {"ok": False, "error": traceback.format_exc()}
+            payload = {"ok": False, "error": traceback.format_exc(), "at": time.time()}
             # Say it now: if a peer is stuck, the gather below waits for the group timeout.
             print(
                 f"[moebench rank {rank}] {label or 'launch'} raised:\n{payload['error']}", file=sys.stderr, flush=True
@@ -529,8 +554,10 @@ def _run_as_torchrun_rank(fn, args, backend, timeout_s, label) -> LaunchResult:
         faulthandler.cancel_dump_traceback_later()
         announce.cancel()
     errors = {r: p["error"] for r, p in enumerate(gathered) if not p["ok"]}
+    failed_at = {r: p["at"] for r, p in enumerate(gathered) if not p["ok"] and "at" in p}
     returns = [p["value"] if p["ok"] else None for p in gathered]
     return LaunchResult(
         status="failed" if errors else "ok", world_size=world_size, backend=backend, returns=returns,
         errors=errors, stacks={}, stuck_ranks=[], elapsed_s=time.monotonic() - start, label=label,
+        failed_at=failed_at,
     )

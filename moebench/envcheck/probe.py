@@ -139,7 +139,7 @@ def probe_check(backend: str, timeout_s: float, result: LaunchResult) -> Check:
             "--probe-timeout raises the bound",
         )
     if result.errors:
-        first = sorted(result.errors.items())[0]
+        first = result.cause()  # the rank that failed first, not a peer that lost it
         return Check(
             **base,
             status=FAIL,

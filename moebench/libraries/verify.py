@@ -144,9 +144,16 @@ def _try_row(adapter: Adapter, row, timeout_s: float, writer) -> None:
     from moebench.libraries.matrix import registered
     from moebench.orphans import die_with_parent
     from moebench.parity.runner import ParityConfig, run_checks
+    from moebench.rankenv import debug
 
     die_with_parent()  # a killed command leaves no trial row behind
-    os.dup2(2, 1)  # the user's code may print: stdout is --json's
+    # The trial's ranks talk to neither stdout (--json's) nor stderr: what they print, and torch's C++ warnings
+    # when a peer goes away, would bury the one line that says what broke (MOEBENCH_DEBUG=1 shows it).
+    quiet = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(2 if debug() else quiet, 1)
+    if not debug():
+        os.dup2(quiet, 2)
+    os.close(quiet)
     try:
         checks = row_checks([adapter], (row.world_size,), patterns=(row.key(),))
         with registered(checks):
@@ -156,7 +163,9 @@ def _try_row(adapter: Adapter, row, timeout_s: float, writer) -> None:
         if not raised:
             writer.send("")
             return
-        lines = [line.strip() for line in record["reason"].splitlines() if line.strip()]
+        # The launch names the rank that failed first in the first block; its peers' lost connections follow.
+        blocks = re.split(r"^--- rank \d+ ", record["reason"], flags=re.M)
+        lines = [line.strip() for line in (blocks[1] if len(blocks) > 1 else blocks[0]).splitlines() if line.strip()]
         where = [m.groups() for m in (re.match(r'File "([^"]+)", line (\d+)', line) for line in lines) if m]
         last = next((line for line in reversed(lines) if re.match(r"^[A-Za-z_.]*(Error|Exception|Interrupt)\b", line)),
                     lines[-1])

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moebench.distributed.launch import LaunchError, check, launch, resolve_backend
+from moebench.distributed.launch import KNOCK_ON_ERRORS, LaunchError, check, launch, resolve_backend
 
 pytestmark = pytest.mark.multirank
 
@@ -66,6 +66,26 @@ def test_a_rank_that_raises_reports_rank_and_traceback(no_leftover_children):
     assert time.monotonic() - start < 30
     with pytest.raises(LaunchError, match="rank 1 raised"):
         check(result)
+
+
+def _raise_on_rank_zero_then_lose_it(ctx):
+    if ctx.rank == 0:
+        raise ValueError("rank zero is broken")
+    time.sleep(0.5)  # rank 0 is gone by now: this collective breaks under the others
+    dist.all_reduce(torch.ones(1))
+
+
+def test_the_rank_that_failed_first_is_the_cause_not_the_peers_that_lost_it(no_leftover_children):
+    result = launch(_raise_on_rank_zero_then_lose_it, 3, timeout_s=60)
+    # A peer breaks in its collective, or in its rendezvous when rank 0 (the store's host) is gone before it
+    # finished; one may even sit in the rendezvous until the grace period kills it (stacks, no error).
+    assert result.status == "failed" and len(result.errors) >= 2, result.describe()
+    peers = [r for r in result.errors if r != 0]
+    assert all(any(words in result.errors[r] for words in KNOCK_ON_ERRORS) for r in peers), result.describe()
+    assert result.failure_order()[0] == 0 and "ValueError: rank zero is broken" in result.cause()[1]
+    blocks = [b for b in result.describe().split("--- rank ") if " raised" in b.split("\n")[0]]
+    assert blocks[0].startswith("0 raised:\n") and "rank zero is broken" in blocks[0], result.describe()
+    assert len(blocks) == len(result.errors) and all(" raised (after rank 0 failed):" in b for b in blocks[1:])
 
 
 def test_a_hanging_rank_is_killed_within_the_deadline_with_stacks(no_leftover_children):

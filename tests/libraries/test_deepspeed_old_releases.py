@@ -51,7 +51,8 @@ def _failures(rows: list[dict], version: str) -> dict[str, str]:
         if r["diagnosis_name"]:
             out[key] = r["diagnosis_name"]
         else:
-            raised = re.findall(r"\n(\w+Error: [^\n]*)", r["diagnosis"] or "")
+            cause = (r["diagnosis"] or "").split("\n--- rank ")[:2][-1]  # the launch names the first failure first
+            raised = re.findall(r"\n(\w+Error: [^\n]*)", cause)
             out[key] = "raised: " + (raised[-1][:40] if raised else "?")
     return out
 

@@ -74,6 +74,19 @@ BROKEN = {
                      "    def rows(self, w, *, resume=False, user_config=None):\n"
                      "        return [Row(library='rankraises', model='m', backend='-', ep_mode='-', world_size=w)]\n"
                      "ADAPTER = A()\n",
+    # rank 0 raises; rank 1 talks on stderr, then meets the dead rank 0 in a collective and raises too (a peer's
+    # lost connection, which must not be named as the cause; CI saw it when rank 0 died during rank 1's rendezvous)
+    "peerraises.py": "import sys, time, torch, torch.distributed as dist\n"
+                     "from moebench.libraries.spec import Adapter, Row\n"
+                     "def run(ctx, row, opts):\n"
+                     "    if ctx.rank == 0:\n        raise ValueError('boom on rank 0')\n"
+                     "    print('rank 1 talks on stderr', file=sys.stderr, flush=True)\n"
+                     "    time.sleep(0.5)\n    dist.all_reduce(torch.ones(1))\n"
+                     "class A(Adapter):\n    name, import_name = 'peerraises', 'torch'\n"
+                     "    runners = {'parity': run}\n"
+                     "    def rows(self, w, *, resume=False, user_config=None):\n"
+                     "        return [Row(library='peerraises', model='m', backend='-', ep_mode='-', world_size=w)]\n"
+                     "ADAPTER = A()\n",
     "clash.py": "from inhouse_moe.adapter import InHouse\nclass A(InHouse):\n    name = 'deepspeed'\nADAPTER = A()\n",
 }
 WHY = {
@@ -84,6 +97,8 @@ WHY = {
                    "runs",
     "rankraises.py": "its rank code raised on row rankraises/m/-/-/w2: ValueError: boom in my rank code at "
                      "rankraises.py:3",
+    "peerraises.py": "its rank code raised on row peerraises/m/-/-/w2: ValueError: boom on rank 0 at "
+                     "peerraises.py:5",
     "clash.py": "is named 'deepspeed', which `--library deepspeed` already runs",
 }
 
