@@ -27,6 +27,18 @@ def _session_probe_cache(tmp_path_factory):
     yield
 
 
+@pytest.fixture(scope="session")
+def quick_runs_source(tmp_path_factory):
+    """(results folder, {kind: console}) of one small real run of each kind (tests/helpers/quickruns.py), made
+    once for the whole session and every worker. Read-only: a test that writes copies it first."""
+    import json
+
+    from helpers.quickruns import quick_runs
+
+    folder = quick_runs(tmp_path_factory.getbasetemp())
+    return folder / "results", json.loads((folder / "consoles.json").read_text())
+
+
 @pytest.fixture(autouse=True)
 def _private_results(tmp_path, monkeypatch):
     monkeypatch.setenv("MOEBENCH_RESULTS", str(tmp_path / "results"))

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
+import shutil
 from pathlib import Path
 
 import pytest
@@ -24,26 +22,12 @@ from moebench.schemas import (
 jsonschema = pytest.importorskip("jsonschema")
 pytest_plugins = ["pytester"]
 
-RUN_TIMEOUT_S = 600
-
-
-def _moebench(root: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, results.RESULTS_ENV: str(root)}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    return subprocess.run([sys.executable, "-m", "moebench", *args], capture_output=True, text=True,
-                          env=env, timeout=RUN_TIMEOUT_S, check=False)
-
-
 @pytest.fixture(scope="module")
-def cli_results(tmp_path_factory) -> Path:
-    """One fastmoe run (--steps 2), one DeepSpeed quick run (--epochs 1), two parity checks and an env-check,
-    through the real CLI."""
-    root = tmp_path_factory.mktemp("schema-results")
-    for args in (["run", "fastmoe", "--steps", "2"], ["run", "deepspeed", "--preset", "quick", "--epochs", "1"],
-                 ["verify-parity", "-n", "2", "--checks", "ddp-sgd,experts"], ["env-check", "--no-probe"]):
-        done = _moebench(root, *args)
-        assert done.returncode == 0, f"moebench {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
+def cli_results(quick_runs_source, tmp_path_factory) -> Path:
+    """A fastmoe run, a DeepSpeed quick run, three parity checks and an env-check, through the real CLI
+    (tests/helpers/quickruns.py)."""
+    root = tmp_path_factory.mktemp("schema-results") / "results"
+    shutil.copytree(quick_runs_source[0], root)
     return root
 
 

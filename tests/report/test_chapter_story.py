@@ -5,6 +5,7 @@ figures carry no chapter marks, and English output uses English units (issue 18,
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,15 +26,14 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           env={**__import__("os").environ, "COLUMNS": "80"})
 
 
-@pytest.fixture(scope="module")
-def quick_runs(tmp_path_factory) -> tuple[Path, dict[str, str]]:
-    """A default (quick) fastmoe run and a quick deepspeed run; their console output."""
-    root = tmp_path_factory.mktemp("story") / "results"
-    consoles = {}
-    for kind, args in (("fastmoe", ["--steps", "4"]), ("deepspeed", ["--preset", "quick", "--epochs", "2"])):
-        out = _cli("run", kind, *args, "--results-dir", str(root))
-        assert out.returncode == 0, out.stderr
-        consoles[kind] = out.stdout
+@pytest.fixture
+def quick_runs(quick_runs_source, tmp_path) -> tuple[Path, dict[str, str]]:
+    """A quick fastmoe run and a quick deepspeed run (tests/helpers/quickruns.py), copied: a test writes its
+    report there; their console output."""
+    source, consoles = quick_runs_source
+    root = tmp_path / "story" / "results"
+    for kind in ("fastmoe", "deepspeed"):
+        shutil.copytree(source / kind, root / kind)
     return root, consoles
 
 

@@ -25,16 +25,10 @@ def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="session")
-def source_results(tmp_path_factory) -> Path:
-    """One small real run of each kind (about 15 s together)."""
-    root = tmp_path_factory.mktemp("source") / "results"
-    for args in (["run", "fastmoe", "--steps", "4", "--gate", "gshard"],
-                 ["run", "deepspeed", "--preset", "quick", "--epochs", "2"],
-                 ["verify-parity", "-n", "2", "--checks", "ddp-sgd,all-gather-variable"],
-                 ["env-check", "--no-probe"]):
-        out = _cli(*args, "--results-dir", str(root))
-        assert out.returncode == 0, out.stderr
-    return root
+def source_results(quick_runs_source) -> Path:
+    """One small real run of each kind (tests/helpers/quickruns.py): fastmoe with the gshard gate, DeepSpeed
+    quick, two parity checks and more, env-check."""
+    return quick_runs_source[0]
 
 
 @pytest.fixture
@@ -379,7 +373,8 @@ def test_parity_is_judged_on_the_whole_suite_only(results_root):
     from moebench.parity import registry
 
     row = _rows(build.build_report([], root=str(results_root)), "parity")["parity"]
-    assert row["verdict"] == "not run" and "ran 2 of" in row["reason"] and "without --checks" in row["reason"]
+    ran = len(json.loads((_run(results_root, "parity") / "summary.json").read_text())["checks"])
+    assert row["verdict"] == "not run" and f"ran {ran} of" in row["reason"] and "without --checks" in row["reason"]
     run = _run(results_root, "parity")
     data = json.loads((run / "summary.json").read_text())
     template = data["checks"][0]
