@@ -62,8 +62,9 @@ lint: install
 	$(BIN)/ruff check moebench tests
 	$(BIN)/lint-imports --no-cache  # the layers and the library packages' independence (pyproject.toml)
 
+# Every tier, each command in a fresh interpreter (the default tier forks most from a warm one: tests/helpers/warmcli.py).
 test-all: install
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	MOEBENCH_TEST_FRESH_CLI=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 env-check: install
 	$(BIN)/moebench env-check

@@ -9,21 +9,20 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import warmcli
 
 import moebench
 from moebench.errors import UserError
 
 
 def _cli_json(*args: str, results_dir) -> dict:
-    out = subprocess.run([sys.executable, "-m", "moebench", *args, "--results-dir", str(results_dir), "--json"],
-                         capture_output=True, text=True, timeout=300)
+    out = warmcli.run([*args, "--results-dir", str(results_dir), "--json"], timeout=300)
     assert out.returncode in (0, 1), out.stderr[-2000:]
     return json.loads(out.stdout)
 
 
 def _cli_error(*args: str, results_dir) -> str:
-    out = subprocess.run([sys.executable, "-m", "moebench", *args, "--results-dir", str(results_dir)],
-                         capture_output=True, text=True, timeout=120)
+    out = warmcli.run([*args, "--results-dir", str(results_dir)], timeout=120)
     assert out.returncode == 2, out.stderr
     (line,) = out.stderr.strip().splitlines()
     return line.removeprefix("error: ")

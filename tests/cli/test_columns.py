@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import typer
+from helpers import warmcli
 from rich.cells import cell_len
 
 COLS = 80
@@ -41,8 +42,7 @@ def root():
 def piped(*args: str, columns: int = COLS, cwd=None) -> str:
     """stdout + stderr of `moebench ARGS` with stdout a pipe and COLUMNS set."""
     env = dict(os.environ, COLUMNS=str(columns))
-    proc = subprocess.run([sys.executable, "-m", "moebench", *args], capture_output=True, text=True, env=env,
-                          timeout=CLI_TIMEOUT_S, cwd=cwd)
+    proc = warmcli.run(args, env=env, timeout=CLI_TIMEOUT_S, cwd=cwd)  # tests/helpers/warmcli.py
     assert proc.returncode in (0, 1), proc.stderr
     return proc.stdout + proc.stderr
 

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import warmcli
 
 from moebench import variants
 
@@ -22,8 +23,7 @@ MOEBENCH = [sys.executable, "-m", "moebench"]
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([*MOEBENCH, *args], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})})
+    return warmcli.run(args, timeout=120, env={**os.environ, **(env or {})})  # tests/helpers/warmcli.py
 
 
 @pytest.mark.parametrize("flags,plan", [

@@ -7,9 +7,9 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
+
+from helpers import warmcli
 
 QUICK_RUNS = {
     # gshard drops tokens at capacity: the report's routing figures show drops (tests/report)
@@ -42,8 +42,7 @@ def quick_runs(basetemp: Path) -> Path:
             consoles = {}
             env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
             for kind, args in QUICK_RUNS.items():
-                done = subprocess.run([sys.executable, "-m", "moebench", *args, "--results-dir", str(results)],
-                                      capture_output=True, text=True, timeout=300, env=env)
+                done = warmcli.run([*args, "--results-dir", str(results)], timeout=300, env=env)
                 assert done.returncode == 0, f"moebench {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
                 consoles[kind] = done.stdout
             (folder / "consoles.json").write_text(json.dumps(consoles))  # last: the runs are whole

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import warmcli
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "tests" / "examples"
@@ -24,8 +24,7 @@ def _cli(tmp_path: Path, *args: str, path: tuple[Path, ...] = (EXAMPLES,), fault
            "MOEBENCH_RESULTS": str(tmp_path / "results")}
     if fault:
         env["MOEBENCH_INJECT_FAULT"] = f"inhouse_faults:{fault}"
-    return subprocess.run([sys.executable, "-m", "moebench", "verify-parity", *args], env=env, text=True,
-                          capture_output=True, timeout=300)
+    return warmcli.run(["verify-parity", *args], env=env, timeout=300)  # a fault's sitecustomize: a fresh one
 
 
 def _written(tmp_path: Path) -> list[str]:

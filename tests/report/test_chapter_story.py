@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import warmcli
 
 from moebench import published
 from moebench.report import build, chapter, claims, figures
@@ -22,8 +23,7 @@ the variant's section of REPORT.md."""
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*MOEBENCH, *args], capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, "COLUMNS": "80"})
+    return warmcli.run(args, timeout=300, env={**__import__("os").environ, "COLUMNS": "80"})
 
 
 @pytest.fixture

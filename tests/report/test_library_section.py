@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import warmcli
 
 from moebench.report import build
 
@@ -23,7 +24,7 @@ pytest.importorskip("fairscale")
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*MOEBENCH, *args], capture_output=True, text=True, timeout=300)
+    return warmcli.run(args, timeout=300)  # tests/helpers/warmcli.py
 
 
 @pytest.fixture(scope="module")
