@@ -287,8 +287,8 @@ _REAL_FASTMOE: list[Path] = []
 def _real_fastmoe_run(root: Path) -> Path:
     if not _REAL_FASTMOE:
         template = Path(tempfile.mkdtemp(prefix="mb-runs-"))
-        proc = subprocess.run([sys.executable, "-m", "moebench", "run", "fastmoe", "--steps", "2", "-n", "2",
-                               "--results-dir", str(template)], capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+        proc = warmcli.run(["run", "fastmoe", "--steps", "2", "-n", "2", "--results-dir", str(template)],
+                           timeout=CLI_TIMEOUT_S)
         assert proc.returncode == 0, proc.stderr
         (run,) = (template / "fastmoe").iterdir()
         _REAL_FASTMOE.append(run)

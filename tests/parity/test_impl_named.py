@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import warmcli
 
 pytestmark = pytest.mark.multirank
 
@@ -18,9 +18,8 @@ NAMED = f"user implementation {USER_IMPL} replaced moebench's for key experts"
 
 
 def _verify(tmp_path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moebench", "verify-parity", "-n", "2", "--checks", "experts",
-                           "--results-dir", str(tmp_path), *extra], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "COLUMNS": "80"})
+    return warmcli.run(["verify-parity", "-n", "2", "--checks", "experts", "--results-dir", str(tmp_path), *extra],
+                       timeout=120, env={**os.environ, "COLUMNS": "80"})
 
 
 def test_the_console_json_and_report_name_the_user_implementation(tmp_path):

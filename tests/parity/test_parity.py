@@ -6,14 +6,13 @@ import json
 import math
 import os
 import signal
-import subprocess
-import sys
 import time
 import types
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import warmcli
 from typer.testing import CliRunner
 
 from moebench.cli.app import app
@@ -324,8 +323,7 @@ def test_json_stdout_is_one_document_with_every_default_check(tmp_path):
     """All checks, DeepSpeed's included (it prints warnings on stdout when imported): stdout is
     exactly one JSON document; the chatter goes to stderr."""
     env = dict(os.environ, MOEBENCH_RESULTS=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-m", "moebench", "verify-parity", "-n", "2", "--json"],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = warmcli.run(["verify-parity", "-n", "2", "--json"], env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     names = [c["name"] for c in doc["checks"]]

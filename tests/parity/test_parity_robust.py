@@ -23,8 +23,10 @@ MOEBENCH = [sys.executable, "-m", "moebench"]
 
 
 def _children() -> list[psutil.Process]:
+    from helpers.warmcli import server_pid
+
     return [p for p in psutil.Process().children(recursive=True) if p.is_running()
-            and p.status() != psutil.STATUS_ZOMBIE]
+            and p.status() != psutil.STATUS_ZOMBIE and p.pid != server_pid()]  # the warm interpreter stays
 
 
 def _env(tmp_path: Path, **extra) -> dict:
