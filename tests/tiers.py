@@ -52,6 +52,10 @@ MOVED_TO_SLOW: dict[str, str] = {
         "two whole suites at once (ports and folders); run ids and ports are drawn per run",
     "tests/parity/test_parity_robust.py::test_interrupting_the_real_command_kills_every_rank[sigterm]":
         "Ctrl-C keeps the case by default; SIGTERM takes the same path (signals.py)",
+    # generated hostile input, every value of every key
+    "tests/faults/test_generated_ds_config.py::test_generated_hostile_ds_configs[every]":
+        "every bounded DeepSpeed key given every hostile value; by default each key 3 of them in turn, every value "
+        "still met ([sampled]), and every section, type and file shape",
     # the parity checks many times over
     "tests/parity/test_parity_checks.py::test_every_check_passes_on_the_real_implementations":
         "every check at 4 and 9 ranks; by default every check at 2 ranks "
