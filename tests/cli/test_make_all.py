@@ -4,11 +4,13 @@ later ones, and `make all` exits non-zero naming what failed."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from helpers.makeenv import outside_make
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -33,7 +35,7 @@ def _make_all(tmp_path: Path, fail: str) -> tuple[subprocess.CompletedProcess, l
     fake.chmod(0o755)
     # -o install: the stand-in venv is never built (install is tested by CI's own `make test`).
     out = subprocess.run(["make", "-s", "-o", "install", "all", f"VENV={venv}"], cwd=REPO, capture_output=True,
-                         text=True, timeout=60)
+                         text=True, timeout=60, env=outside_make(os.environ))
     return out, log.read_text().splitlines()
 
 

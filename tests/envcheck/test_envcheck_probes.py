@@ -264,6 +264,13 @@ def test_probe_verdict_for_a_rank_that_raised():
     assert check.status == FAIL and "rank 1 failed: RuntimeError: boom" in check.found
 
 
+def test_probe_verdict_names_the_rank_that_failed_first_not_the_peer_that_lost_it():
+    lost = "Traceback\nRuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:4567\n"
+    check = probe.probe_check("gloo", 30, _launch_result([None, None], status="failed",
+                                                          errors={0: lost, 1: "Traceback\nRuntimeError: boom\n"}))
+    assert check.status == FAIL and "rank 1 failed: RuntimeError: boom" in check.found, check.found
+
+
 def test_check_rejects_unknown_status_and_section():
     with pytest.raises(ValueError):
         Check(id="x", section=PLATFORM, title="x", status="fine", found="")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.makeenv import outside_make
 from typer.testing import CliRunner
 
 from moebench import results
@@ -56,7 +57,7 @@ def _make(tmp_path: Path, **variables: str) -> subprocess.CompletedProcess:
     if shutil.which("make") is None:
         pytest.skip("make is not installed")
     args = ["make", "-s", "gpu-check", f"GPU_VENV={tmp_path / 'venv'}", *(f"{k}={v}" for k, v in variables.items())]
-    env = {**os.environ, results.RESULTS_ENV: str(tmp_path / "results")}
+    env = {**outside_make(os.environ), results.RESULTS_ENV: str(tmp_path / "results")}
     return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=CLI_TIMEOUT_S, env=env)
 
 
