@@ -2,7 +2,7 @@
 already: each command is a fork of that interpreter (a "warm" one, one per test process), which then runs
 `python -m moebench` exactly as a fresh one does (runpy: the same __main__, signal handlers, exit code, exit
 handlers, stdout and stderr). A fresh interpreter spends about 1.3 s of CPU importing torch before the command
-starts; the default suite starts over a hundred commands.
+starts, and the default suite starts many commands.
 
 What a fork cannot give is kept for fresh interpreters: whatever acts at interpreter start-up. A call whose
 environment differs from the warm interpreter's in what is read at start-up or at torch's import (PYTHON*, LD_*,
@@ -73,6 +73,7 @@ def _ensure_server() -> subprocess.Popen:
         env.pop("PYTHONPATH", None)  # a fresh `python -m moebench` of a test gets the call's own PYTHONPATH
         _server = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                    env=env, cwd=Path(__file__).parents[2])
+        _Lines._buffers.pop(_server.stdout.fileno(), None)  # a dead server's leftovers, if its descriptor is reused
         ready = _Lines(_server.stdout.fileno()).next(timeout=120)
         assert ready == b"ready", f"the warm interpreter did not start: {ready!r}"
     return _server
