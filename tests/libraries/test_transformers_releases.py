@@ -60,14 +60,22 @@ def test_5_17_finds_the_batched_mm_router_gradient_from_unrouted_slots(tmp_path)
 
 def test_5_16_runs_to_the_end_and_names_the_rank_local_router_gradient(tmp_path):
     """transformers 5.16.0: the all-reduce EP's router gradient is never all-reduced over the ranks (each
-    rank's routing weights get gradient only through its own experts): named rank-local on grouped_mm;
+    rank's routing weights get gradient only through its own experts): named rank-local on grouped_mm, unless
+    the run's uninitialised sentinel rows hold NaN (non-finite);
     batched_mm adds the unrouted slots of 5.17 on top, which no single known-wrong reference explains."""
     summary, by = _run("5.16.0", tmp_path)
     assert summary["counts"] == {"pass": 0, "fail": 20, "skip": 42}
     fp32 = {k: v for k, v in by.items() if not k[2]}
-    assert fp32 == {("grouped_mm", "all_reduce", False, "fail", "rank-local"): 5,
-                    ("batched_mm", "all_reduce", False, "fail", "unexplained"): 5,
-                    ("eager", "all_reduce", False, "fail", None): 5}
+    # grouped_mm leaves the EP sentinel rows of its output uninitialised (5.16's own comment) and masks them
+    # afterwards: in some runs those rows hold NaN bits and the row's result is NaN (measured: 3 of 15 grouped_mm
+    # rows over three runs, any model), named non-finite; otherwise the rank-local router gradient shows.
+    grouped = {k[4]: v for k, v in fp32.items() if k[0] == "grouped_mm"}
+    assert set(grouped) <= {"rank-local", "non-finite"} and sum(grouped.values()) == 5, fp32
+    nan = [r for r in summary["rows"] if r["diagnosis_name"] == "non-finite"]
+    assert all("NaN in the actual result" in r["diagnosis"] for r in nan), [r["diagnosis"] for r in nan]
+    assert {k: v for k, v in fp32.items() if k[0] != "grouped_mm"} == {
+        ("batched_mm", "all_reduce", False, "fail", "unexplained"): 5,
+        ("eager", "all_reduce", False, "fail", None): 5}
     assert sum(v for k, v in by.items() if k[2] and k[3] == "fail") == 5
 
 
