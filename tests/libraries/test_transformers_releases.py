@@ -68,7 +68,7 @@ def test_5_16_runs_to_the_end_and_names_the_rank_local_router_gradient(tmp_path)
     fp32 = {k: v for k, v in by.items() if not k[2]}
     # grouped_mm leaves the EP sentinel rows of its output uninitialised (5.16's own comment) and masks them
     # afterwards: in some runs those rows hold NaN bits and the row's result is NaN (measured: 3 of 15 grouped_mm
-    # rows over three runs, any model), named non-finite; otherwise the rank-local router gradient shows.
+    # rows over three runs: mixtral and qwen3_moe), named non-finite; otherwise the rank-local router gradient shows.
     grouped = {k[4]: v for k, v in fp32.items() if k[0] == "grouped_mm"}
     assert set(grouped) <= {"rank-local", "non-finite"} and sum(grouped.values()) == 5, fp32
     nan = [r for r in summary["rows"] if r["diagnosis_name"] == "non-finite"]
