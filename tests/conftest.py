@@ -43,7 +43,9 @@ def quick_runs_source(tmp_path_factory):
 def _private_results(tmp_path, monkeypatch):
     monkeypatch.setenv("MOEBENCH_RESULTS", str(tmp_path / "results"))
     # A test process must never look like one rank of a torchrun job.
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    from helpers.userenv import LAUNCHER_VARIABLES
+
+    for var in LAUNCHER_VARIABLES:
         monkeypatch.delenv(var, raising=False)
     # A run sets DS_ACCELERATOR for DeepSpeed (from its device); a test faking CUDA must not leak it.
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)
@@ -62,11 +64,9 @@ def no_leftover_children():
     """Fails the test if it leaves any child process of this pytest process behind."""
     before = {p.pid for p in psutil.Process(os.getpid()).children(recursive=True)}
     yield
-    from helpers.warmcli import server_pid
+    from helpers.warmcli import children_left
 
-    left = [p for p in psutil.Process(os.getpid()).children(recursive=True)
-            if p.pid not in before and p.pid != server_pid()]  # the warm interpreter stays, by design
-    alive = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    alive = [p for p in children_left() if p.pid not in before]
     assert not alive, f"processes left behind: {[(p.pid, p.name()) for p in alive]}"
 
 

@@ -150,8 +150,9 @@ def test_a_broken_file_is_named_in_the_error(tmp_path):
 def test_the_autouse_check_catches_an_invalid_file_a_test_leaves(pytester):
     pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text())
     pytester.makepyfile(tiers=(Path(__file__).parent / "tiers.py").read_text())  # the conftest applies it
-    helpers = pytester.mkpydir("helpers")  # and keeps the tests' signal dispositions with this helper
-    (helpers / "procsignals.py").write_text((Path(__file__).parent / "helpers" / "procsignals.py").read_text())
+    helpers = pytester.mkpydir("helpers")  # and the helpers it imports (signal dispositions, environments)
+    for name in ("procsignals.py", "userenv.py"):
+        (helpers / name).write_text((Path(__file__).parent / "helpers" / name).read_text())
     pytester.makeini("[pytest]\nmarkers =\n    no_schema_check: opt out\n    slow: slow tier\n")
     pytester.makepyfile(test_leaves_junk="""
         import json, pytest

@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers.makeenv import outside_make
+from helpers.userenv import outside_make
 
 REPO = Path(__file__).resolve().parents[2]
 

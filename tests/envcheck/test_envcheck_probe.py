@@ -3,7 +3,6 @@ fails within its timeout leaving no process behind."""
 
 import time
 
-import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,10 +19,9 @@ HANG_SLACK_S = 3.0
 
 
 def _children():
-    from helpers.warmcli import server_pid
+    from helpers.warmcli import children_left
 
-    return [p for p in psutil.Process().children(recursive=True)
-            if p.status() != psutil.STATUS_ZOMBIE and p.pid != server_pid()]  # the warm interpreter stays
+    return children_left()
 
 
 def test_gloo_probe_passes_and_all_to_all_single_is_supported_on_cpu():

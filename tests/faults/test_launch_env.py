@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers.userenv import LAUNCHER_VARIABLES
 from typer.testing import CliRunner
 
 import moebench
@@ -33,8 +34,7 @@ BAD_ENVS = {
 COMMANDS = {"run fastmoe": ["run", "fastmoe"], "run deepspeed": ["run", "deepspeed"],
             "verify-parity": ["verify-parity", "-n", "2", "--checks", "ddp-sgd"],
             "verify-parity --library": ["verify-parity", "--library", "fairscale"]}
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-               "TORCHELASTIC_RUN_ID")
+LAUNCH_VARS = (*LAUNCHER_VARIABLES, "TORCHELASTIC_RUN_ID")
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.makeenv import outside_make
+from helpers.userenv import outside_make
 from typer.testing import CliRunner
 
 from moebench import results

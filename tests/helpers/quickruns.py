@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from helpers import warmcli
+from helpers.userenv import outside_launcher
 
 QUICK_RUNS = {
     # gshard drops tokens at capacity: the report's routing figures show drops (tests/report)
@@ -20,9 +21,6 @@ QUICK_RUNS = {
     "env": ["env-check", "--no-probe"],
 }
 """kind -> the command's arguments; the runs land in one results folder, a run per kind."""
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                      "DS_ACCELERATOR")
-"""Not passed on: the runs are moebench's own launches, as the conftest makes every test's."""
 
 
 def shared_folder(basetemp: Path) -> Path:
@@ -40,7 +38,8 @@ def quick_runs(basetemp: Path) -> Path:
         if not (folder / "consoles.json").exists():
             results = folder / "results"
             consoles = {}
-            env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+            # moebench's own launches, as the conftest makes every test's (DS_ACCELERATOR: set by a run for DeepSpeed)
+            env = {k: v for k, v in outside_launcher(os.environ).items() if k != "DS_ACCELERATOR"}
             for kind, args in QUICK_RUNS.items():
                 done = warmcli.run([*args, "--results-dir", str(results)], timeout=300, env=env)
                 assert done.returncode == 0, f"moebench {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"

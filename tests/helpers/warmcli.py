@@ -29,6 +29,8 @@ CUSTOMIZE = ("sitecustomize.py", "usercustomize.py")
 MOEBENCH = [sys.executable, "-m", "moebench"]
 
 _server: subprocess.Popen | None = None
+_replies: _Lines | None = None
+"""The warm interpreter of this test process and what it answers (started on first use)."""
 
 
 def server_pid() -> int | None:
@@ -36,18 +38,22 @@ def server_pid() -> int | None:
     return _server.pid if _server is not None and _server.poll() is None else None
 
 
-def run(args, *, env: dict | None = None, cwd=None, timeout: float = 300, fresh: bool = False,
-        check: bool = False) -> subprocess.CompletedProcess:
+def children_left() -> list:
+    """This test process's live descendants, the warm interpreter aside (it stays, by design)."""
+    import psutil
+
+    return [p for p in psutil.Process().children(recursive=True)
+            if p.pid != server_pid() and p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def run(args, *, env: dict | None = None, cwd=None, timeout: float = 300,
+        fresh: bool = False) -> subprocess.CompletedProcess:
     """What `subprocess.run([python, "-m", "moebench", *args], capture_output=True, text=True, ...)` returns."""
     args = [str(a) for a in args]
     env = dict(os.environ if env is None else env)
     if fresh or os.environ.get(FRESH_ENV) == "1" or _needs_fresh(env):
-        return subprocess.run([*MOEBENCH, *args], capture_output=True, text=True, env=env, cwd=cwd,
-                              timeout=timeout, check=check)
-    done = _run_warm(args, env, os.path.abspath(cwd or os.getcwd()), timeout)
-    if check and done.returncode:
-        raise subprocess.CalledProcessError(done.returncode, done.args, done.stdout, done.stderr)
-    return done
+        return subprocess.run([*MOEBENCH, *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
+    return _run_warm(args, env, os.path.abspath(cwd or os.getcwd()), timeout)
 
 
 def _needs_fresh(env: dict) -> bool:
@@ -65,22 +71,22 @@ _SERVER_ENV: dict = {}
 """The start-up variables the warm interpreter began with."""
 
 
-def _ensure_server() -> subprocess.Popen:
-    global _server, _SERVER_ENV
+def _ensure_server() -> _Lines:
+    global _server, _replies, _SERVER_ENV
     if _server is None or _server.poll() is not None:
         _SERVER_ENV = _start_up_env(os.environ)
         env = {**os.environ}
         env.pop("PYTHONPATH", None)  # a fresh `python -m moebench` of a test gets the call's own PYTHONPATH
         _server = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                    env=env, cwd=Path(__file__).parents[2])
-        _Lines._buffers.pop(_server.stdout.fileno(), None)  # a dead server's leftovers, if its descriptor is reused
-        ready = _Lines(_server.stdout.fileno()).next(timeout=120)
+        _replies = _Lines(_server.stdout.fileno())
+        ready = _replies.next(timeout=120)
         assert ready == b"ready", f"the warm interpreter did not start: {ready!r}"
-    return _server
+    return _replies
 
 
 def _run_warm(args: list[str], env: dict, cwd: str, timeout: float) -> subprocess.CompletedProcess:
-    replies = _Lines(_ensure_server().stdout.fileno())
+    replies = _ensure_server()
     with tempfile.TemporaryDirectory(prefix="warmcli") as tmp:
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
         request = {"args": args, "env": env, "cwd": cwd, "stdout": out, "stderr": err}
@@ -105,25 +111,23 @@ def _run_warm(args: list[str], env: dict, cwd: str, timeout: float) -> subproces
 class _Lines:
     """Lines from the warm interpreter's replies, each within a timeout (None: none came in time)."""
 
-    _buffers: dict[int, bytes] = {}  # by descriptor: what came after the last line, for the next call
-
     def __init__(self, fd: int) -> None:
         self.fd = fd
+        self.pending = b""  # what came after the last line returned
 
     def next(self, *, timeout: float) -> bytes | None:
         import time
 
         end = time.monotonic() + timeout
-        while b"\n" not in self._buffers.get(self.fd, b""):
+        while b"\n" not in self.pending:
             left = end - time.monotonic()
             if left <= 0 or not select.select([self.fd], [], [], left)[0]:
                 return None
             chunk = os.read(self.fd, 65536)
             if not chunk:
                 raise RuntimeError("the warm interpreter ended")
-            self._buffers[self.fd] = self._buffers.get(self.fd, b"") + chunk
-        line, rest = self._buffers[self.fd].split(b"\n", 1)
-        self._buffers[self.fd] = rest
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
         return line
 
 

@@ -23,10 +23,9 @@ MOEBENCH = [sys.executable, "-m", "moebench"]
 
 
 def _children() -> list[psutil.Process]:
-    from helpers.warmcli import server_pid
+    from helpers.warmcli import children_left
 
-    return [p for p in psutil.Process().children(recursive=True) if p.is_running()
-            and p.status() != psutil.STATUS_ZOMBIE and p.pid != server_pid()]  # the warm interpreter stays
+    return children_left()
 
 
 def _env(tmp_path: Path, **extra) -> dict:
@@ -124,9 +123,9 @@ def test_under_torchrun_a_rank_that_raises_fails_the_check_and_says_why(tmp_path
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--rdzv-backend", "c10d",
            "--rdzv-endpoint", "127.0.0.1:0", "-m", "moebench", "verify-parity", "--checks", "all-gather-variable",
            "--impl", "all-gather=parity_broken:raising_all_gather", "--timeout", "20", "--json"]
-    env = _env(tmp_path)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
+    from helpers.userenv import outside_launcher
+
+    env = outside_launcher(_env(tmp_path))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0, proc.stderr
     assert "deliberate failure on rank 1" in proc.stderr and "raising_all_gather" in proc.stderr, proc.stderr

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,6 @@ from helpers import warmcli
 from moebench import published
 from moebench.report import build, chapter, claims, figures
 
-MOEBENCH = [sys.executable, "-m", "moebench"]
 REASON_MAX_CHARS = 200
 """A verdict's reason is one line of a table: the full list of differing settings lives once, in
 the variant's section of REPORT.md."""

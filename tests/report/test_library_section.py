@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,6 @@ from helpers import warmcli
 
 from moebench.report import build
 
-MOEBENCH = [sys.executable, "-m", "moebench"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 HEADING = "## Library conformance (verify-parity --library)"
 

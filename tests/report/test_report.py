@@ -8,7 +8,6 @@ import html.parser
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,6 @@ from helpers import warmcli
 from moebench import published
 from moebench.report import build, claims, collect, verdict_rows
 
-MOEBENCH = [sys.executable, "-m", "moebench"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
