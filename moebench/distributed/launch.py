@@ -269,9 +269,10 @@ def _launch_local(fn, args, world_size, backend, timeout_s, label, env, method) 
                 failed_at = now
             limit = deadline if failed_at is None else min(deadline, failed_at + FAILURE_GRACE_S)
             if now >= limit:
-                stuck = [procs.index(p) for p in alive]
                 status = "hung" if failed_at is None else "failed"
-                _dump_and_kill(alive)
+                # stuck: the ranks still there after their stacks were dumped; one that raised or
+                # exited meanwhile (its collective timed out just after the deadline) was not stuck
+                stuck = sorted(procs.index(p) for p in _dump_and_kill(alive))
                 break
             mp.connection.wait([p.sentinel for p in alive], timeout=min(0.5, limit - now))
     except BaseException:  # Ctrl-C, SIGTERM, or a failure to start: no rank outlives this call
@@ -455,13 +456,17 @@ def _read_payload(workdir: Path, rank: int) -> dict | None:
     return pickle.loads(path.read_bytes())
 
 
-def _dump_and_kill(procs: list) -> None:
+def _dump_and_kill(procs: list) -> list:
+    """Ask each rank for its stacks, give them STACK_DUMP_WAIT_S, kill them; the ranks that were
+    still running at the end (not those that exited meanwhile)."""
     for p in procs:
         _signal(p, signal.SIGUSR1)
     end = time.monotonic() + STACK_DUMP_WAIT_S
     while time.monotonic() < end and any(p.exitcode is None for p in procs):
         time.sleep(0.05)
+    still = [p for p in procs if p.exitcode is None]
     _kill_all(procs)
+    return still
 
 
 def _kill_all(procs: list) -> None:

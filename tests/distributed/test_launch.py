@@ -99,6 +99,27 @@ def test_a_hanging_rank_is_killed_within_the_deadline_with_stacks(no_leftover_ch
     assert all("_all_hang" in result.stacks[r] for r in (0, 1)), result.stacks
 
 
+def _hang_on_rank_zero_rank_one_fails_just_after(ctx, deadline):
+    if ctx.rank == 1:  # what a peer's collective timeout does when it fires just after the deadline
+        time.sleep(max(0.0, deadline - time.monotonic()) + 0.3)
+        raise TimeoutError("the peer's collective timed out")
+    time.sleep(600)
+
+
+def test_a_rank_that_fails_while_stacks_are_dumped_is_not_called_stuck(no_leftover_children):
+    # Seen in the suite under load: a hanging rank's peers reached their collective late, their timeout fired
+    # in the second the launch gives the stack dump, and the record said "stuck ranks: [0, 1, 2]" and "rank 0
+    # raised" at once. (time.monotonic is one clock for every process on the machine.)
+    deadline = time.monotonic() + 2
+    result = launch(_hang_on_rank_zero_rank_one_fails_just_after, 2, args=(deadline,), timeout_s=2)
+    assert result.status == "hung"
+    assert result.stuck_ranks == [0]
+    assert "_hang_on_rank_zero_rank_one_fails_just_after" in result.stacks[0]
+    assert set(result.errors) == {1} and "the peer's collective timed out" in result.errors[1]
+    assert 1 not in result.stacks
+    assert "stuck ranks: [0]\n" in result.describe()
+
+
 def test_one_stuck_rank_is_named_while_its_peers_time_out(no_leftover_children):
     result = launch(_hang_on_rank_zero, 3, timeout_s=6)
     assert not result.ok
