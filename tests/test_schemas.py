@@ -151,7 +151,7 @@ def test_the_autouse_check_catches_an_invalid_file_a_test_leaves(pytester):
     pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text())
     pytester.makepyfile(tiers=(Path(__file__).parent / "tiers.py").read_text())  # the conftest applies it
     helpers = pytester.mkpydir("helpers")  # and the helpers it imports (signal dispositions, environments)
-    for name in ("procsignals.py", "userenv.py"):
+    for name in ("procsignals.py", "userenv.py", "quickruns.py", "warmcli.py"):
         (helpers / name).write_text((Path(__file__).parent / "helpers" / name).read_text())
     pytester.makeini("[pytest]\nmarkers =\n    no_schema_check: opt out\n    slow: slow tier\n")
     pytester.makepyfile(test_leaves_junk="""

@@ -9,6 +9,11 @@ most a third of its former time). conftest.py applies this table; tests/test_tie
 entry names a test that exists.
 """
 
+import pytest
+
+COLLECTED = pytest.StashKey[tuple]()
+"""(files collected in this session, the MOVED_TO_SLOW prefixes that matched a test): set by conftest.py."""
+
 MOVED_TO_SLOW: dict[str, str] = {
     # signals and processes
     "tests/faults/test_signals.py::test_signals_across_a_runs_lifetime":
@@ -78,6 +83,10 @@ MOVED_TO_SLOW: dict[str, str] = {
         "(test_the_tool_and_its_script_print_the_same_figures), the listing at 80 columns "
         "(test_write_scripts_writes_one_per_failing_row_and_lists_them) and fairscale's script run standalone "
         "(test_fairscale_script_reproduces_the_fault_and_passes_unbroken)",
+    "tests/libraries/test_repro.py::test_the_tool_and_its_script_print_the_same_figures[deepspeed/engine/zero0/ep=2/w2/"
+    "clip+bf16":
+        "a second engine script beside the tool (17 s of CPU); by default the fp32 clip row's script and tool "
+        "(the same script path), the bf16 row's tool diagnosis (test_ds_half.py)",
     "tests/libraries/test_ds_resume.py::test_repro_script_exits_1_with_the_fault_and_0_without":
         "the resume script run twice; by default the resume rows and their faults",
     "tests/libraries/test_ds_engine.py::test_a_rows_ranks_inherit_what_the_engine_imports_and_the_console_stays":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -49,6 +50,7 @@ def test_every_rank_returns_in_rank_order(no_leftover_children):
     assert all(r["sum"] == 10 * 4 + 6 for r in result.returns)
     assert all(r["world"] == 4 and r["env_rank"] == str(r["rank"]) for r in result.returns)
     assert result.backend == "gloo"
+    assert gc.isenabled()  # off for the forks only (see test_a_rank_never_finalises_the_garbage_it_inherited)
 
 
 def test_sixteen_ranks_oversubscribed():
@@ -126,6 +128,38 @@ def test_one_stuck_rank_is_named_while_its_peers_time_out(no_leftover_children):
     assert 0 in result.stuck_ranks
     assert "_hang_on_rank_zero" in result.stacks[0]
     assert set(result.errors) == {1, 2}  # their barrier timed out inside gloo, with a traceback
+
+
+class _FinalisedOnce:
+    """Cyclic garbage whose finaliser says in which process it ran (a destroyed process group's finaliser
+    waits on threads that exist in the parent only)."""
+
+    def __init__(self, path):
+        self.cycle, self.path = self, path
+
+    def __del__(self):
+        with open(self.path, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+def _collect_garbage_in_the_rank(ctx):
+    gc.collect()
+    return os.getpid()
+
+
+def test_a_rank_never_finalises_the_garbage_it_inherited(tmp_path, no_leftover_children):
+    marker = tmp_path / "finalised"
+    gc.disable()  # keep the garbage until the ranks fork
+    try:
+        _FinalisedOnce(marker)
+        assert not marker.exists()
+        result = check(launch(_collect_garbage_in_the_rank, 2, timeout_s=60))
+        assert not gc.isenabled()  # as the caller left it
+    finally:
+        gc.enable()
+    assert not marker.exists(), f"finalised in a rank: {marker.read_text()} (ranks {result.returns})"
+    gc.collect()
+    assert marker.read_text().split() == [str(os.getpid())]  # once, here
 
 
 def test_auto_backend_is_gloo_without_gpus():
