@@ -113,3 +113,10 @@ def pytest_collection_finish(session):
 
     gc.collect()
     gc.freeze()
+
+
+def pytest_sessionfinish(session):
+    import sys
+
+    if "helpers.warmcli" in sys.modules:  # its warm interpreter, reaped here rather than left to die with us
+        sys.modules["helpers.warmcli"].stop()

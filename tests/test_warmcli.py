@@ -72,3 +72,14 @@ def test_a_timeout_kills_the_command_and_what_it_started(tmp_path):
     left = psutil.Process(warmcli.server_pid()).children(recursive=True)
     _, alive = psutil.wait_procs(left, timeout=10)  # the ranks die with their parent (PR_SET_PDEATHSIG)
     assert [p for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []
+
+
+def test_stop_ends_and_reaps_the_warm_interpreter(tmp_path):
+    """conftest.py stops it when the session ends: nothing the suite started is left running or unreaped."""
+    assert warmcli.run(["runs"], cwd=tmp_path).returncode == 0
+    pid = warmcli.server_pid()
+    assert pid is not None
+    warmcli.stop()
+    assert warmcli.server_pid() is None
+    assert not psutil.pid_exists(pid)  # exited and reaped (a zombie would still exist)
+    assert warmcli.run(["runs"], cwd=tmp_path).returncode == 0  # the next call starts another

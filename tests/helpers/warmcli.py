@@ -85,6 +85,22 @@ def _ensure_server() -> _Lines:
     return _replies
 
 
+def stop() -> None:
+    """End this test process's warm interpreter and reap it (at the end of the session): nothing the suite started
+    outlives it, not even for the moment its parent's death takes to reach it."""
+    global _server
+    if _server is None:
+        return
+    server, _server = _server, None
+    try:
+        server.stdin.close()  # end of requests: it leaves its loop and exits
+        server.wait(timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        server.kill()
+        server.wait()
+    server.stdout.close()
+
+
 def _run_warm(args: list[str], env: dict, cwd: str, timeout: float) -> subprocess.CompletedProcess:
     replies = _ensure_server()
     with tempfile.TemporaryDirectory(prefix="warmcli") as tmp:
