@@ -103,7 +103,7 @@ def test_a_hanging_rank_is_killed_within_the_deadline_with_stacks(no_leftover_ch
 
 def _hang_on_rank_zero_rank_one_fails_just_after(ctx, deadline):
     if ctx.rank == 1:  # what a peer's collective timeout does when it fires just after the deadline
-        time.sleep(max(0.0, deadline - time.monotonic()) + 0.3)
+        time.sleep(max(0.0, deadline - time.monotonic()) + 0.2)
         raise TimeoutError("the peer's collective timed out")
     time.sleep(600)
 
@@ -114,7 +114,7 @@ def test_a_rank_that_fails_while_stacks_are_dumped_is_not_called_stuck(no_leftov
     # raised" at once. (time.monotonic is one clock for every process on the machine.)
     deadline = time.monotonic() + 2
     result = launch(_hang_on_rank_zero_rank_one_fails_just_after, 2, args=(deadline,), timeout_s=2)
-    assert result.status == "hung"
+    assert result.status in ("hung", "failed")  # "failed" when a loaded machine wakes the launch after the raise
     assert result.stuck_ranks == [0]
     assert "_hang_on_rank_zero_rank_one_fails_just_after" in result.stacks[0]
     assert set(result.errors) == {1} and "the peer's collective timed out" in result.errors[1]
