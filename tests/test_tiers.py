@@ -15,7 +15,7 @@ ROOT = Path(__file__).parents[1]
 def test_every_moved_test_exists_and_is_slow(request):
     files = sorted({prefix.split("::")[0] for prefix in MOVED_TO_SLOW})
     collected_files, matched = request.config.stash.get(COLLECTED, (set(), set()))
-    whole_files = not any("::" in arg for arg in request.config.args)
+    whole_files = not any("::" in arg for arg in request.config.args)  # no test picked out of its file
     if whole_files and set(files) <= collected_files:  # this session collected them all: no second collection
         missing = [prefix for prefix in MOVED_TO_SLOW if prefix not in matched]
     else:

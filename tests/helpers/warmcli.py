@@ -88,10 +88,10 @@ def _ensure_server() -> _Lines:
 def stop() -> None:
     """End this test process's warm interpreter and reap it (at the end of the session): nothing the suite started
     outlives it, not even for the moment its parent's death takes to reach it."""
-    global _server
+    global _server, _replies
     if _server is None:
         return
-    server, _server = _server, None
+    server, _server, _replies = _server, None, None
     try:
         server.stdin.close()  # end of requests: it leaves its loop and exits
         server.wait(timeout=30)

@@ -56,15 +56,15 @@ def _undefined_names(sources: dict[str, str], folder: Path) -> dict[str, list[st
     ruff = Path(sys.executable).with_name("ruff")
     if not ruff.exists():
         pytest.skip("ruff is not installed beside this interpreter")
-    files = {}
-    for i, (name, source) in enumerate(sources.items()):
-        files[name] = folder / f"script{i}.py"
-        files[name].write_text(source)
+    files = {name: f"script{i}.py" for i, name in enumerate(sources)}
+    for name, file in files.items():
+        (folder / file).write_text(sources[name])
+    # run in the folder: ruff names a file relative to its working directory when it can
     done = subprocess.run([str(ruff), "check", "--isolated", "--no-cache", "--select", "F821", "--output-format",
-                           "concise", *map(str, files.values())], capture_output=True, text=True, timeout=60)
-    assert done.returncode in (0, 1) and "error" not in done.stderr.lower(), done.stderr
-    return {name: [line for line in done.stdout.splitlines() if line.startswith(f"{path}:") and "F821" in line]
-            for name, path in files.items()}
+                           "concise", *files.values()], cwd=folder, capture_output=True, text=True, timeout=60)
+    assert done.returncode in (0, 1), done.stderr
+    return {name: [line for line in done.stdout.splitlines() if line.startswith(f"{file}:") and "F821" in line]
+            for name, file in files.items()}
 
 
 @pytest.mark.parametrize("adapter", ADAPTERS, ids=[a.name for a in ADAPTERS])
