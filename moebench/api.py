@@ -15,6 +15,7 @@ written. Nothing prints unless asked (`progress=True`).
 
 from __future__ import annotations
 
+import os
 from typing import Any, Mapping, Sequence
 
 from moebench.errors import UserError
@@ -53,14 +54,14 @@ def verify_parity(*, world_size: int | None = None, checks: str | Sequence[str] 
                   timeout_s: float = 120.0, comm_backend: str = "auto", tolerance: str = "strict",
                   impls: Mapping[str, str] | Sequence[str] = (), seed: int = 0, debug_collectives: bool = False,
                   results_dir: str | None = None, library: str | Sequence[str] | None = None,
-                  adapter: str | None = None, ds_config: str | None = None, resume: bool = False,
+                  adapter: Any = None, ds_config: str | None = None, resume: bool = False,
                   repro: str | None = None, rows: Sequence[str] = (), full: bool = False) -> dict[str, Any]:
     """The parity checks, or a library's conformance rows, like `moebench verify-parity --json`.
 
     The checks: `checks` names (see `moebench verify-parity --list`) or None for all, at `world_size` ranks
     (default 4); `impls`: your code instead of moebench's, {"experts": "my_pkg.moe:Experts", ...} (the `--impl`
     contracts of docs/verify-parity.md). The library rows instead (docs/libraries.md): `library` names
-    ("deepspeed" or ["fairscale", "transformers"]), `adapter` your own adapter object ("pkg.mod:ADAPTER",
+    ("deepspeed" or ["fairscale", "transformers"]), `adapter` your own adapter (the object, or "pkg.mod:ADAPTER",
     docs/adding-a-library.md), at `world_size` or at 2 and 4; `ds_config` a DeepSpeed config file, `resume` the
     resume rows, `rows` only the rows whose key matches one of these globs, `repro` a new folder for the failing
     rows' standalone scripts. Returns the summary: "status" ("ok" when at least one check passed and none failed,
@@ -74,6 +75,10 @@ def verify_parity(*, world_size: int | None = None, checks: str | Sequence[str] 
     from moebench.parity.runner import verify_parity as run_parity
 
     config_tree.require_launch_env()
+    _require_types(world_size=world_size, checks=checks, timeout_s=timeout_s, comm_backend=comm_backend,
+                   tolerance=tolerance, impls=impls, seed=seed, debug_collectives=debug_collectives,
+                   results_dir=results_dir, library=library, adapter=adapter, ds_config=ds_config, resume=resume,
+                   repro=repro, rows=rows, full=full)
     results.check_root(results_dir, "parity")
     rows_asked = library is not None or adapter is not None or ds_config is not None
     if rows_asked and checks is not None:
@@ -96,9 +101,57 @@ def verify_parity(*, world_size: int | None = None, checks: str | Sequence[str] 
 
         request = verify.LibraryRequest(libraries=verify.names_of(library) if library is not None else (),
                                         adapter=adapter, world_size=world_size, ds_config=ds_config, resume=resume,
-                                        repro=repro, rows=tuple(rows))
+                                        repro=repro, rows=tuple(rows), timeout_s=config.timeout_s)
         summary = verify.run(verify.prepare(request, results_dir), config, results_dir=results_dir)
     return results.to_jsonable(summary if full else failed_only(summary))
+
+
+_PATH = (str, os.PathLike)
+_NAMES = "a string or a list of strings"
+VERIFY_PARITY_TYPES: dict[str, tuple[tuple[type, ...], str, bool]] = {
+    # argument: (the types it takes, how the error says it, whether None is allowed)
+    "world_size": ((int,), "an int", True),
+    "checks": ((str, list, tuple), _NAMES, True),
+    "timeout_s": ((int, float), "a number of seconds", False),
+    "comm_backend": ((str,), "a string", False),
+    "tolerance": ((str,), "a string", False),
+    "impls": ((dict, list, tuple), "a dict {KEY: 'module:attr'} or a list of 'KEY=module:attr' strings", False),
+    "seed": ((int,), "an int", False),
+    "debug_collectives": ((bool,), "True or False", False),
+    "results_dir": (_PATH, "a path", True),
+    "library": ((str, list, tuple), _NAMES, True),
+    "adapter": ((str,), "an Adapter object or 'package.module:ATTRIBUTE'", True),
+    "ds_config": (_PATH, "a path", True),
+    "resume": ((bool,), "True or False", False),
+    "repro": (_PATH, "a path", True),
+    "rows": ((str, list, tuple), _NAMES, False),
+    "full": ((bool,), "True or False", False),
+}
+"""verify_parity's arguments and the types each takes: anything else is a UserError naming its flag."""
+_FLAGS = {"timeout_s": "--timeout", "impls": "--impl", "rows": "--row", "full": "--json-full"}
+
+
+def _require_types(**given: Any) -> None:
+    from moebench.libraries.spec import Adapter
+
+    for name, value in given.items():
+        types, words, none_ok = VERIFY_PARITY_TYPES[name]
+        flag = _FLAGS.get(name, "--" + name.replace("_", "-"))
+        if value is None and none_ok:
+            continue
+        if name == "adapter" and isinstance(value, Adapter):
+            continue
+        ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+        if ok and isinstance(value, (list, tuple)) and name != "impls":
+            ok = all(isinstance(v, str) for v in value)
+        if ok and name == "impls":
+            items = value.items() if isinstance(value, dict) else [(v, "") for v in value]
+            ok = all(isinstance(k, str) and isinstance(v, str) for k, v in items)
+        if not ok:
+            inner = list(value.values()) if isinstance(value, dict) else value
+            shown = type(value).__name__ if not isinstance(value, (list, tuple, dict)) else \
+                f"a {type(value).__name__} holding {', '.join(sorted({type(v).__name__ for v in inner}))}"
+            raise UserError(f"{name}= takes {words}, got {shown}", flag=flag)
 
 
 def env_check(*, probe: bool = True, probe_timeout_s: float = 30.0, strict: bool = False,

@@ -53,16 +53,39 @@ def on_signal(signum, frame) -> None:
         _received = signum
         _arm_fallback()
     elif _forcing and not _acted:
+        if _drops_exceptions(frame):  # raised there it would be printed and dropped: try again a moment later
+            _arm_fallback(RETRY_S)
+            return
         _forcing, _acted = False, True  # once: the clean-up it starts is not cut short by another
         raise KeyboardInterrupt(describe())
 
 
-def _arm_fallback() -> None:
+RETRY_S = 0.05
+"""How soon the fallback tries again when the signal found the main thread where an exception would be dropped."""
+_DROPPING_NAMES = ("__del__",)
+
+
+def _drops_exceptions(frame) -> bool:
+    """Whether an exception raised in `frame` would be printed as "Exception ignored in ..." and dropped: inside
+    logging (its lock release runs as a fork hook, seen when a signal met the fork of a rank), a finaliser or a
+    weakref callback."""
+    import logging
+    import weakref
+
+    fragile = {logging.__file__, weakref.__file__}
+    while frame is not None:
+        if frame.f_code.co_filename in fragile or frame.f_code.co_name in _DROPPING_NAMES:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _arm_fallback(after_s: float | None = None) -> None:
     global _fallback
     main = threading.main_thread()
     if threading.current_thread() is not main:
         return
-    _fallback = threading.Timer(SAFE_POINT_GRACE_S, _force, args=(main.ident,))
+    _fallback = threading.Timer(SAFE_POINT_GRACE_S if after_s is None else after_s, _force, args=(main.ident,))
     _fallback.daemon = True
     _fallback.start()
 

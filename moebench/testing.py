@@ -1,4 +1,5 @@
-"""The conformance matrix inside a library's own test suite: one call runs an adapter's rows and returns their records.
+"""The conformance matrix inside a library's own test suite: one call runs an adapter's rows and returns their records;
+`Layer(...)` makes the adapter of your own MoE layer from its factory (moebench.libraries.harness).
 
     from moebench.testing import assert_rows_pass, run_rows
     from my_pkg.moebench_adapter import ADAPTER  # written against moebench.libraries.spec
@@ -15,9 +16,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+from moebench.libraries.harness import Layer
 from moebench.libraries.spec import Adapter, problems
 
-__all__ = ["run_rows", "run_summary", "assert_rows_pass"]
+__all__ = ["Layer", "run_rows", "run_summary", "assert_rows_pass"]
 
 
 def run_summary(adapter: Adapter, world_size: int = 2, *, rows: Sequence[str] = (), seed: int = 0,

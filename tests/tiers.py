@@ -104,6 +104,9 @@ MOVED_TO_SLOW: dict[str, str] = {
     # the report and the other commands many times over
     "tests/report/test_readback.py::test_every_file_kind_damaged_every_way":
         "every file kind x every damage; by default the issue's cases (test_the_issues_cases)",
+    "tests/report/test_generated_damage.py::test_every_damage_renders_or_is_named":
+        "every field of every results file of every kind x every damage (about 3,700 cases, minutes); by default one "
+        "case of each change drawn with a fixed seed and the issue's own (test_sampled_damage_renders_or_is_named)",
     "tests/report/test_report.py::test_the_chapter_run_is_judged_whatever_the_order_or_a_newer_quick_run":
         "chapter-preset runs; by default the chapter values edited into quick runs (test_verdict_follows_the_"
         "tolerance)",

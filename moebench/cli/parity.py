@@ -10,6 +10,7 @@ import typer
 from moebench.bounds import Items, Name, Path, Text
 from moebench.cli import flags, parity_console
 from moebench.errors import UserError
+from moebench.rankenv import debug
 from moebench.rankenv import is_printer as _is_printer
 
 app = typer.Typer()
@@ -139,8 +140,8 @@ def verify_parity(
         "and another layout, continue; vs the uninterrupted run). A load the library refuses is verdict "
         "'refused' (its message), which does not fail the run.",
     ),
-    adapter: Optional[str] = flags.bounded_option(
-        None, "--adapter", bound=BOUNDS["--adapter"], metavar="MOD:ATTR",
+    adapters: List[str] = flags.bounded_option(
+        [], "--adapter", bound=BOUNDS["--adapter"], metavar="MOD:ATTR",
         help="Verify your own MoE: run the rows of your adapter object (package.module:ATTRIBUTE, written against "
         "moebench.libraries.spec; docs/adding-a-library.md) like a built-in library's.",
     ),
@@ -153,7 +154,19 @@ def verify_parity(
     """Run the parity checks: exit 0 when all ran passed, 1 when any failed or none ran, 2 on bad input."""
     if json_full and not as_json:
         raise UserError("prints every comparison of --json's document; add --json", flag="--json-full")
+    if len(adapters) > 1:
+        raise UserError(f"given {len(adapters)} times ({', '.join(adapters)}); one adapter a run: verify each in "
+                        "a run of its own", flag="--adapter")
+    adapter = adapters[0] if adapters else None
     if list_checks:
+        if library is not None or adapter is not None:  # the rows they would run, with their keys (for --row)
+            from moebench.libraries import verify
+
+            request = verify.LibraryRequest(libraries=verify.names_of(library) if library is not None else (),
+                                            adapter=adapter, world_size=world_size, resume=resume,
+                                            rows=tuple(row), timeout_s=timeout)
+            parity_console.print_rows(verify.list_rows(request), as_json)
+            return
         parity_console.print_list(as_json)
         return
     rows_asked = library is not None or adapter is not None or ds_config is not None
@@ -199,6 +212,8 @@ def verify_parity(
         row = row_record(dataclasses.asdict(record))  # a library row: its table line(s), once, as it ends
         for line in table.row({**row, **verify.annotation(prepared, config)(row)}):
             typer.echo(line)
+        if debug() and record.launch_status not in ("ok", ""):  # --debug: the ranks' own words, whole
+            typer.echo(record.reason, err=True)
 
     # --json: stdout carries the one document; whatever else writes there (DeepSpeed's warnings at import in this
     # process, C++ prints, a user's --adapter or --impl module printing at import) goes to stderr for the whole run.
@@ -212,7 +227,8 @@ def verify_parity(
             if rows_asked:  # the library rows instead of the checks, through the same runner
                 request = verify.LibraryRequest(
                     libraries=verify.names_of(library) if library is not None else (), adapter=adapter,
-                    world_size=world_size, ds_config=ds_config, resume=resume, repro=repro, rows=tuple(row))
+                    world_size=world_size, ds_config=ds_config, resume=resume, repro=repro, rows=tuple(row),
+                    timeout_s=timeout)
                 prepared = verify.prepare(request, results_dir)
                 execute = functools.partial(verify.run, prepared)
                 if _is_printer() and not as_json:
@@ -239,7 +255,7 @@ def verify_parity(
             from moebench.libraries.repro import lines as repro_lines
 
             for line in repro_lines(summary):
-                typer.echo(line)
+                typer.echo(line, err=line.startswith("error:"))
         else:
             parity_console.print_table(summary)
             from moebench.parity.printed import tested_lines

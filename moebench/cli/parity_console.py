@@ -62,6 +62,25 @@ def print_list(as_json: bool) -> None:
     typer.echo(library_list(statuses))
 
 
+def print_rows(rows: list[dict], as_json: bool) -> None:
+    """`--list --library NAME` (or --adapter): every row's key (what --row matches) and, for a row that cannot run
+    here, why."""
+    import textwrap
+
+    from moebench.libraries.records import DIAGNOSIS_INDENT, WIDTH
+
+    if as_json:
+        typer.echo(json.dumps({"rows": rows}, indent=2))
+        return
+    runs = sum(1 for r in rows if r["skip"] is None)
+    typer.echo(f"{len(rows)} row(s), {runs} can run here; their keys (--row takes a key or a glob):")
+    for r in rows:
+        typer.echo(f"  {r['check']}" + ("" if r["skip"] is None else "  (skips)"))
+        if r["skip"] is not None:
+            typer.echo("\n".join(textwrap.wrap(r["skip"], WIDTH, initial_indent=DIAGNOSIS_INDENT * 2,
+                                               subsequent_indent=DIAGNOSIS_INDENT * 2, break_on_hyphens=False)))
+
+
 def _console():
     from moebench.console import terminal_console
 

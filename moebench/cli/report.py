@@ -70,8 +70,8 @@ def report(
     for run in outcome.libraries:  # their own section: never the parity verdict's run
         lib_rows = run.summary.get("rows") or []
         typer.echo(f"{'library':<10} {run.run_id} ({run.status}): {len(lib_rows)} rows, "
-                   + ", ".join(f"{sum(r['verdict'] == v for r in lib_rows)} {v}" for v in ("pass", "fail", "skip"))
-                   + "".join(f", {n} refused" for n in [sum(r["verdict"] == "refused" for r in lib_rows)] if n))
+                   + ", ".join(f"{sum(r.get('verdict') == v for r in lib_rows)} {v}" for v in ("pass", "fail", "skip"))
+                   + "".join(f", {n} refused" for n in [sum(r.get("verdict") == "refused" for r in lib_rows)] if n))
     from moebench.console import print_fitting
 
     print_fitting(console, verdict_table(outcome.rows), verdict_table(outcome.rows, stacked=True))

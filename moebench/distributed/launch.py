@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from moebench import signals, tempdirs
 from moebench.errors import RendezvousFailed, UserError
-from moebench.orphans import die_with_parent
+from moebench.orphans import descendants, die_with_parent, kill_processes, kill_tree, set_subreaper
 from moebench.rankenv import debug, local_world_size, rank_threads
 from moebench.rankenv import is_launched_rank as under_torchrun
 from moebench.signals import sigterm_as_interrupt  # noqa: F401 - the run driver and parity use it from here
@@ -242,6 +242,11 @@ def _launch_local(fn, args, world_size, backend, timeout_s, label, env, method) 
     procs: list[mp.process.BaseProcess] = []
     status = "ok"
     stuck: list[int] = []
+    # What the ranks' code starts never outlives the launch, even in a session of its own (start_new_session,
+    # a daemon's double fork): each rank kills what is under it before it exits, and this process, a subreaper
+    # for the launch, is handed what a killed rank left and kills it after.
+    before = {c.pid for c in descendants(os.getpid())}
+    was_subreaper = set_subreaper(True)
     try:
         stack.enter_context(sigterm_as_interrupt())
         # A forked rank never garbage-collects what it inherits: finalising an inherited object (a
@@ -288,6 +293,9 @@ def _launch_local(fn, args, world_size, backend, timeout_s, label, env, method) 
         raise
     finally:
         _kill_all(procs)
+        kill_processes([c for c in descendants(os.getpid()) if c.pid not in before])
+        if was_subreaper is False:
+            set_subreaper(False)
         # what the ranks made under moebench-tmp (a resume row's checkpoint) goes with them, whatever their end
         tempdirs.remove_owned_by(p.pid for p in procs if p.pid is not None)
         stack.close()
@@ -330,6 +338,7 @@ def _child_main(fn, args, rank, world_size, backend, pg_timeout_s, workdir, env,
     # it started (grandchildren included), not the rank alone.
     os.setpgid(0, 0)
     die_with_parent()
+    set_subreaper(True)  # what its code starts and leaves behind comes back here, to be killed on the way out
     # Only the parent handles Ctrl-C; it kills the ranks. Ranks printing KeyboardInterrupt
     # tracebacks of their own would bury the one line that matters.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -368,6 +377,7 @@ def _child_main(fn, args, rank, world_size, backend, pg_timeout_s, workdir, env,
     except BaseException:  # noqa: BLE001 - everything a rank raises must reach the user
         payload = {"ok": False, "error": traceback.format_exc(), "at": time.time()}
     _write_payload(workdir, rank, payload)
+    kill_tree(os.getpid(), include_root=False)  # the rank's code's children, wherever they moved
     try:
         if dist.is_initialized() and payload["ok"]:
             dist.destroy_process_group()
@@ -480,6 +490,8 @@ def _dump_and_kill(procs: list) -> list:
 
 def _kill_all(procs: list) -> None:
     for p in procs:
+        if p.exitcode is None and p.pid is not None:  # its descendants, whatever group or session they are in
+            kill_tree(p.pid, include_root=False)
         if p.pid is not None:  # the whole group, even when the rank itself has exited: its children
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(p.pid, signal.SIGKILL)

@@ -33,7 +33,16 @@ class RowRank:
     row: Row
 
     def __call__(self, ctx, opts: CheckOptions) -> list:
-        return self.adapter.runner(self.row.kind)(ctx, self.row, opts)
+        from moebench.parity.raised import AdapterProtocolError, not_comparisons
+
+        fn = self.adapter.runner(self.row.kind)
+        out = fn(ctx, self.row, opts)
+        got = not_comparisons(out)
+        if got:
+            name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+            raise AdapterProtocolError(f"the runner of row kind {self.row.kind!r} ({name}) returned {got}; a runner "
+                                       "must return a list of comparisons (moebench.parity.compare.compare)")
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +52,8 @@ class RowCheck:
     check: Check
     adapter: Adapter
     row: Row
+    skip: str | None = None
+    """Why the row cannot run here (the adapter's skip_reason, asked once, in the parent), or None."""
 
     @property
     def name(self) -> str:
@@ -67,7 +78,7 @@ def adapter_rows(adapter: Adapter, world_sizes: tuple[int, ...], *, resume: bool
     return rows
 
 
-def select_rows(rows: list[Row], patterns: tuple[str, ...]) -> list[Row]:
+def select_rows(rows: list[Row], patterns: tuple[str, ...], listed_by: str = "--list --library NAME") -> list[Row]:
     """The rows whose key matches one of `patterns` (shell globs; `*` spans slashes); all when none is given.
     A pattern that matches no row is a UserError naming it."""
     if not patterns:
@@ -75,16 +86,17 @@ def select_rows(rows: list[Row], patterns: tuple[str, ...]) -> list[Row]:
     unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(r.key(), p) for r in rows)]
     if unmatched:
         raise UserError(f"matches no row: {', '.join(unmatched)} (row keys look like {rows[0].key() if rows else '-'};"
-                        " --list --library NAME lists them)", flag="--row")
+                        f" {listed_by} lists them)", flag="--row")
     return [r for r in rows if any(fnmatch.fnmatchcase(r.key(), p) for p in patterns)]
 
 
 def row_checks(adapters: list[Adapter], world_sizes: tuple[int, ...], *, resume: bool = False,
                user_configs: Mapping[str, Mapping[str, Any]] | None = None,
-               patterns: tuple[str, ...] = ()) -> list[RowCheck]:
+               patterns: tuple[str, ...] = (), flag: str = "--library") -> list[RowCheck]:
     """One check per row of the adapters at each world size, in that order (not registered: see `registered`).
     `user_configs` maps a library's name to the user's own settings (--ds-config); `patterns` (--row) keeps
-    the rows whose key matches."""
+    the rows whose key matches; `flag` is the one a refusal names (--library, or --adapter for a user's adapter).
+    Each row's skip_reason is asked here, once (an adapter's answer that is no string is a UserError)."""
     out: list[RowCheck] = []
     rows_of: list[tuple[Adapter, Row, str]] = []
     for adapter in adapters:
@@ -92,24 +104,37 @@ def row_checks(adapters: list[Adapter], world_sizes: tuple[int, ...], *, resume:
         user_config = (user_configs or {}).get(adapter.name)
         rows_of += [(adapter, row, version) for row in adapter_rows(adapter, world_sizes, resume=resume,
                                                                      user_config=user_config)]
-    kept = set(map(id, select_rows([row for _, row, _ in rows_of], patterns)))
+    listed = f"--list {flag} {adapters[0].name if flag == '--library' and adapters else '...'}"
+    kept = set(map(id, select_rows([row for _, row, _ in rows_of], patterns, listed_by=listed)))
     for adapter, row, version in rows_of:
         if id(row) not in kept:
             continue
+        skip = checked_skip_reason(adapter, row, flag)
         check = Check(
             name=row.key(), order=ROW_ORDER + len(out), seed_source=f"{row.library} {version}",
             description=_description(row), catches=adapter.catches, rank_fn=RowRank(adapter, row),
             world_size=row.world_size, requires=(adapter.import_name,), labels=tuple(row.labels(version).items()),
-            timeout_s=adapter.timeout_s, preload=adapter.preload, skip_if=_skip_if(adapter, row))
-        out.append(RowCheck(check=check, adapter=adapter, row=row))
+            timeout_s=adapter.timeout_s, preload=adapter.preload, skip_if=lambda skip=skip: skip)
+        out.append(RowCheck(check=check, adapter=adapter, row=row, skip=skip))
     if not out:
         names = ", ".join(a.name for a in adapters)
-        raise UserError(f"{names} has no rows at world size {', '.join(map(str, world_sizes))}", flag="--library")
+        raise UserError(f"{names} has no rows at world size {', '.join(map(str, world_sizes))}", flag=flag)
     return out
 
 
-def _skip_if(adapter: Adapter, row: Row) -> Callable[[], str | None]:
-    return lambda: adapter.skip_reason(row)
+def checked_skip_reason(adapter: Adapter, row: Row, flag: str = "--library") -> str | None:
+    """adapter.skip_reason(row), held to the protocol: a string (one printable line) or None; else a UserError."""
+    from moebench.libraries.registry import one_line
+
+    try:
+        reason = adapter.skip_reason(row)
+    except Exception as exc:  # noqa: BLE001 - an adapter's code: its error is the finding
+        raise UserError(f"{adapter.name}: skip_reason({row.key()}) raised {type(exc).__name__}: "
+                        f"{one_line(str(exc), 200)}", flag=flag) from None
+    if reason is not None and not isinstance(reason, str):
+        raise UserError(f"{adapter.name}: skip_reason({row.key()}) returned a {type(reason).__name__}; it must return "
+                        "a string (why the row cannot run here) or None", flag=flag)
+    return None if reason is None else one_line(reason, limit=2000) or "skipped by the adapter"
 
 
 @contextlib.contextmanager

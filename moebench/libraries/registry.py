@@ -142,25 +142,49 @@ USER_CHECK_TIMEOUT_S = 120.0
 """How long importing and checking a user's adapter (--adapter) may take in its child process."""
 
 
-def load_user(target: str, *, world_size: int, timeout_s: float = USER_CHECK_TIMEOUT_S) -> Adapter:
+def load_user(target, *, world_size: int, timeout_s: float = USER_CHECK_TIMEOUT_S) -> Adapter:
     """--adapter pkg.mod:ATTR: the user's adapter, first imported and checked against the protocol in a child
-    process (an import that hangs, exits or raises cannot take the command with it), then imported here.
-    Anything wrong is one UserError line naming --adapter."""
+    process (an import that hangs, exits or raises cannot take the command with it), then imported here. The
+    Python API may give the Adapter object itself (checked here: it is already imported). Anything wrong is one
+    UserError line naming --adapter, as is an adapter whose `unavailable()` says it cannot run here."""
     from moebench.parity.registry import import_problem
-
-    if ":" not in target or not all(target.partition(":")[::2]):
-        raise UserError(f"expected package.module:ATTRIBUTE, got {target[:80]!r}", flag="--adapter")
 
     def check(obj) -> str:
         found = problems(obj, world_size)
         return f"does not meet the adapter protocol: {found[0]}" + (f" (and {len(found) - 1} more)"
                                                                     if len(found) > 1 else "") if found else ""
 
-    problem = import_problem(target, timeout_s, validate=check)
+    if isinstance(target, Adapter):
+        adapter, shown = target, f"{type(target).__name__} {target.name!r}"
+        problem = check(adapter)
+    elif isinstance(target, str):
+        if ":" not in target or not all(target.partition(":")[::2]):
+            raise UserError(f"expected package.module:ATTRIBUTE, got {target[:80]!r}", flag="--adapter")
+        shown = target
+        problem = import_problem(target, timeout_s, validate=check)
+        adapter = None if problem else _import(target)
+    else:
+        raise UserError(f"takes an Adapter object or 'package.module:ATTRIBUTE', got a {type(target).__name__}",
+                        flag="--adapter")
     if problem:
-        raise UserError(f"{target} {problem} (docs/adding-a-library.md)", flag="--adapter")
-    adapter = _import(target)
+        raise UserError(f"{shown} {problem} (docs/adding-a-library.md)", flag="--adapter")
     if adapter.name in known():
-        raise UserError(f"{target} is named {adapter.name!r}, which `--library {adapter.name}` already runs; "
+        raise UserError(f"{shown} is named {adapter.name!r}, which `--library {adapter.name}` already runs; "
                         "give your adapter a name of its own", flag="--adapter")
+    try:
+        why_not = adapter.unavailable()
+    except Exception as exc:  # noqa: BLE001 - the user's code: its error is the finding
+        raise UserError(f"{shown}: its unavailable() raised {type(exc).__name__}: {exc}"[:300],
+                        flag="--adapter") from None
+    if why_not is not None and not isinstance(why_not, str):
+        raise UserError(f"{shown}: its unavailable() returned a {type(why_not).__name__}; it must return a "
+                        "string (why it cannot run here) or None", flag="--adapter")
+    if why_not:
+        raise UserError(f"{shown} cannot run here: {one_line(why_not)}", flag="--adapter")
     return adapter
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    """A user's text as one printable line: control characters (escape sequences, newlines) shown escaped."""
+    out = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in " ".join(text.split()))
+    return out if len(out) <= limit else out[:limit - 3] + "..."

@@ -61,6 +61,35 @@ class Settings:
 NO_SETTINGS = Settings()
 
 
+LABEL_PATTERN = r"[A-Za-z0-9_.+=,:@%()\[\]-]{1,64}"
+"""What a row's label (library, model, backend, ep_mode, variant, each feature) may be: one printable word of at
+most 64 characters, without "/" (the row key's separator), so that keys, the console, file names and the report
+show it as it is."""
+SETTING_MAX_CHARS = 200
+"""A settings string's (and a note's) most characters: a row's record is a line of a table, not a document."""
+
+
+def _text_problem(what: str, value: Any, limit: int) -> str:
+    if not isinstance(value, str):
+        return f"{what} must be a string, got {type(value).__name__}"
+    if len(value) > limit:
+        return f"{what} has {len(value)} characters; at most {limit}"
+    if not value.isprintable():
+        return f"{what} {ascii(value[:40])} has control characters (escape sequences, newlines)"
+    return ""
+
+
+def label_problem(what: str, value: Any) -> str:
+    """Why `value` cannot be a row label ("" when it can)."""
+    problem = _text_problem(what, value, 64)
+    if problem:
+        return problem
+    if value in (".", "..") or not re.fullmatch(LABEL_PATTERN, value):
+        return (f"{what} {ascii(value)} must be one word of letters, digits and _.+=,:@%()[]- (no '/', no spaces), "
+                "at most 64 characters")
+    return ""
+
+
 def settings_problem(settings: Any) -> str:
     """Why `settings` cannot be a row's settings ("" when it can)."""
     if not isinstance(settings, Settings) or not dataclasses.is_dataclass(settings):
@@ -72,6 +101,10 @@ def settings_problem(settings: Any) -> str:
             return f"settings field {name} must be a JSON scalar, got {type(value).__name__}"
         if isinstance(value, float) and not math.isfinite(value):
             return f"settings field {name} must be finite, got {value}"
+        if isinstance(value, str):
+            problem = _text_problem(f"settings field {name}", value, SETTING_MAX_CHARS)
+            if problem:
+                return problem
     return ""
 
 
@@ -102,9 +135,24 @@ class Row:
     fp16 rows: its CPU fp16 check overridden, not a GPU run). Its JSON record's "note" when given."""
 
     def __post_init__(self) -> None:
-        problem = settings_problem(self.settings)
+        labels = [("library", self.library), ("model", self.model), ("backend", self.backend),
+                  ("ep_mode", self.ep_mode), *((("variant", self.variant),) if self.variant != "" else ())]
+        if not isinstance(self.features, tuple):
+            raise TypeError(f"row features must be a tuple of labels, got {type(self.features).__name__}")
+        labels += [("feature", f) for f in self.features]
+        problem = next(filter(None, (label_problem(what, value) for what, value in labels)), "")
+        if not problem and not (isinstance(self.world_size, int) and not isinstance(self.world_size, bool)
+                                and self.world_size >= 1):
+            problem = f"world_size must be a positive int, got {self.world_size!r}"
+        if not problem and not isinstance(self.kind, str):
+            problem = f"kind must be a string, got {type(self.kind).__name__}"
+        problem = problem or settings_problem(self.settings) or (
+            _text_problem("note", self.note, 2 * SETTING_MAX_CHARS) if self.note else "")
         if problem:
-            raise TypeError(f"row {self.key()}: {problem}")
+            raise TypeError(f"row {ascii(self._key_parts())[1:-1][:120]}: {problem}")
+
+    def _key_parts(self) -> str:
+        return "/".join(str(x) for x in (self.library, self.model, self.backend, self.ep_mode, self.world_size))
 
     def key(self) -> str:
         """The row's stable id, also its parity check's name: library/model/backend/ep_mode/wN[/variant]."""

@@ -16,6 +16,13 @@ from moebench.libraries import registry
 from moebench.libraries.matrix import DEFAULT_WORLD_SIZES, config_fields, row_checks, verify_libraries
 from moebench.libraries.spec import Adapter
 
+FIRST_ROW_TIMEOUT_S = 120.0
+"""How long a user adapter's import and first row may take when it is tried before the run (its ranks' deadline
+too), unless --timeout says otherwise."""
+TRIAL_SLACK_S = 10.0
+"""What the trial row's process gets beyond its ranks' deadline: the launch's grace for a failing rank (5 s), the
+stack dump (1 s) and the kill."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LibraryRequest:
@@ -23,8 +30,8 @@ class LibraryRequest:
 
     libraries: tuple[str, ...] = ()
     """--library: built-in or installed adapters by name."""
-    adapter: str | None = None
-    """--adapter: a user's adapter object, "package.module:ATTRIBUTE"."""
+    adapter: str | Adapter | None = None
+    """--adapter: a user's adapter object, "package.module:ATTRIBUTE" (the Python API: or the object itself)."""
     world_size: int | None = None
     """--world-size (None: DEFAULT_WORLD_SIZES)."""
     ds_config: str | None = None
@@ -35,6 +42,20 @@ class LibraryRequest:
     """--repro: a new or empty folder for the failing rows' standalone scripts."""
     rows: tuple[str, ...] = ()
     """--row: run only the rows whose key matches one of these shell globs."""
+    timeout_s: float = FIRST_ROW_TIMEOUT_S
+    """--timeout: also bounds importing a user's adapter and its trial row."""
+
+    @property
+    def adapter_shown(self) -> str:
+        """--adapter as the console names it."""
+        import sys
+
+        a = self.adapter
+        if isinstance(a, str) or a is None:
+            return a
+        module = type(a).__module__  # the object's name in its class's module, as --adapter would take it
+        attr = next((k for k, v in vars(sys.modules.get(module) or object()).items() if v is a), None)
+        return f"{module}:{attr}" if attr else f"{module}:{type(a).__name__}"
 
 
 DS_CONFIG_READERS = {"deepspeed": "moebench.libraries.deepspeed.user_config:read_user_config",
@@ -96,20 +117,36 @@ def prepare(request: LibraryRequest, results_dir: str | None = None) -> Prepared
         check_repro_dir(request.repro, results_dir)
     adapters = registry.require(list(libraries)) if libraries else []
     if request.adapter is not None:
-        user = registry.load_user(request.adapter, world_size=max(sizes))
-        problem = first_row_problem(user, max(sizes))
-        if problem:
-            raise UserError(f"{request.adapter}: {problem} (docs/adding-a-library.md)", flag="--adapter")
+        user = registry.load_user(request.adapter, world_size=max(sizes), timeout_s=request.timeout_s)
         adapters.append(user)
+    flag = "--adapter" if request.adapter is not None and not libraries else "--library"
     checks = row_checks(adapters, sizes, resume=request.resume, user_configs=user_configs,
-                        patterns=request.rows)  # no row, or a --row matching none: refused now, before any folder
+                        patterns=request.rows, flag=flag)  # no row, or a --row matching none: refused now
+    if all(c.skip for c in checks):  # nothing would run: decided here, as for a world size with no rows
+        first = checks[0]
+        raise UserError(f"none of the {len(checks)} row(s) of {', '.join(a.name for a in adapters)} at world size "
+                        f"{', '.join(map(str, sizes))} can run here; {first.name}: {first.skip}"
+                        + (f" (and {len(checks) - 1} more skip)" if len(checks) > 1 else ""), flag=flag)
+    if request.adapter is not None:
+        problem = first_row_problem(user, max(sizes), request.timeout_s)
+        if problem:
+            raise UserError(f"{request.adapter_shown}: {problem} (docs/adding-a-library.md)", flag="--adapter")
     previews = tuple({**dict(c.check.labels), "check": c.name} for c in checks)
     return Prepared(adapters=tuple(adapters), world_sizes=sizes, previews=previews, user_configs=user_configs,
                     summary_extra=summary_extra, request=request)
 
 
-FIRST_ROW_TIMEOUT_S = 120.0
-"""How long a user adapter's first row may take when it is tried before the run (its ranks' deadline too)."""
+def list_rows(request: LibraryRequest) -> list[dict[str, Any]]:
+    """`--list --library NAME` / `--list --adapter X`: the rows a run would take, nothing run (each row's key, which
+    --row matches, and why it would skip here, when it would)."""
+    sizes = DEFAULT_WORLD_SIZES if request.world_size is None else (request.world_size,)
+    adapters = registry.require(list(request.libraries)) if request.libraries else []
+    if request.adapter is not None:
+        adapters.append(registry.load_user(request.adapter, world_size=max(sizes), timeout_s=request.timeout_s))
+    flag = "--adapter" if request.adapter is not None and not request.libraries else "--library"
+    checks = row_checks(adapters, sizes, resume=request.resume, patterns=request.rows, flag=flag)
+    return [{"check": c.name, "library": c.row.library, "world_size": c.row.world_size, "kind": c.row.kind,
+             "skip": c.skip} for c in checks]
 
 
 def first_row_problem(adapter: Adapter, world_size: int, timeout_s: float = FIRST_ROW_TIMEOUT_S) -> str:
@@ -118,7 +155,9 @@ def first_row_problem(adapter: Adapter, world_size: int, timeout_s: float = FIRS
     is then bad input (exit 2), not a row of findings."""
     import multiprocessing as mp
 
-    rows = [r for r in adapter.rows(world_size) if adapter.skip_reason(r) is None]
+    from moebench.orphans import kill_tree
+
+    rows = [c.row for c in row_checks([adapter], (world_size,), flag="--adapter") if not c.skip]
     if not rows:
         return ""
     ctx = mp.get_context("fork")
@@ -126,11 +165,11 @@ def first_row_problem(adapter: Adapter, world_size: int, timeout_s: float = FIRS
     child = ctx.Process(target=_try_row, args=(adapter, rows[0], timeout_s, writer))  # it starts ranks: no daemon
     child.start()
     writer.close()
-    child.join(timeout_s + 30)
+    child.join(timeout_s + TRIAL_SLACK_S)
     if child.is_alive():
-        child.kill()
+        kill_tree(child.pid)  # its ranks, and whatever they started
         child.join(5)
-        return f"its first row {rows[0].key()} did not finish within {timeout_s:g} s"
+        return f"its first row {rows[0].key()} did not finish within {timeout_s:g} s (--timeout)"
     try:
         return reader.recv() if reader.poll() else f"its first row ended the process (exit code {child.exitcode})"
     except EOFError:
@@ -138,11 +177,10 @@ def first_row_problem(adapter: Adapter, world_size: int, timeout_s: float = FIRS
 
 
 def _try_row(adapter: Adapter, row, timeout_s: float, writer) -> None:
-    import os
-    import re
-
     from moebench.libraries.matrix import registered
     from moebench.orphans import die_with_parent
+    from moebench.parity.diagnosis import LIBRARY_RAISED, PROTOCOL
+    from moebench.parity.raised import RANK_RAISED
     from moebench.parity.runner import ParityConfig, run_checks
     from moebench.rankenv import debug
 
@@ -159,18 +197,16 @@ def _try_row(adapter: Adapter, row, timeout_s: float, writer) -> None:
         with registered(checks):
             record = run_checks(ParityConfig(world_size=row.world_size, checks=(row.key(),),
                                              timeout_s=timeout_s))["checks"][0]
-        raised = record["launch_status"] == "failed" and "raised:" in record["reason"]
-        if not raised:
-            writer.send("")
+        d = record.get("diagnosis") or {}
+        if record["launch_status"] == "ok" or d.get("name") not in (LIBRARY_RAISED, RANK_RAISED, PROTOCOL):
+            writer.send("")  # it ran (passing or failing), or hung or died: the run's rows say so
             return
-        # The launch names the rank that failed first in the first block; its peers' lost connections follow.
-        blocks = re.split(r"^--- rank \d+ ", record["reason"], flags=re.M)
-        lines = [line.strip() for line in (blocks[1] if len(blocks) > 1 else blocks[0]).splitlines() if line.strip()]
-        where = [m.groups() for m in (re.match(r'File "([^"]+)", line (\d+)', line) for line in lines) if m]
-        last = next((line for line in reversed(lines) if re.match(r"^[A-Za-z_.]*(Error|Exception|Interrupt)\b", line)),
-                    lines[-1])
-        at = f" at {os.path.basename(where[-1][0])}:{where[-1][1]}" if where else ""
-        writer.send(f"its rank code raised on row {row.key()}: {last[:200]}{at}")
+        details = d["details"]
+        if d["name"] == PROTOCOL:
+            writer.send(f"on row {row.key()}, {details['exception'].split(': ', 1)[-1]}")
+            return
+        at = f" at {os.path.basename(details['file'])}:{details['line']}" if "file" in details else ""
+        writer.send(f"its rank code raised on row {row.key()}: {details['exception'][:200]}{at}")
     except BaseException as exc:  # noqa: BLE001 - whatever the user's adapter does is the user's input
         writer.send(f"its first row could not run: {type(exc).__name__}: {exc}"[:300])
 
@@ -212,7 +248,8 @@ def rerun_command(prepared: Prepared, record: dict[str, Any], config) -> str:
     request = prepared.request
     adapter = next((a for a in prepared.adapters if a.name == record["library"]), None)
     user = request.adapter is not None and adapter is not None and adapter.name not in request.libraries
-    words = ["moebench verify-parity", f"--adapter {request.adapter}" if user else f"--library {record['library']}",
+    which = f"--adapter {request.adapter_shown}" if user else f"--library {record['library']}"
+    words = ["moebench verify-parity", which,
              f"-n {record['world_size']}"]
     if "resume" in record.get("features", ()):
         words.append("--resume")

@@ -132,14 +132,27 @@ def diagnose(actual: Any, expected: Any, *, atol: float, rtol: float, world_size
     if a.numel() and bool((a == 0).all()) and magnitude > 0:
         return make(ZERO, "all zeros: no gradient reached it (detached, or a backward that returns nothing)",
                   expected_magnitude=magnitude)
-    for label, alt in (alternatives or {}).items():
-        alt, what, name, cause = (*alt, label, "")[:4] if isinstance(alt, tuple) else (alt, label, label, "")
-        found = _matches_alternative(a, _t(alt), atol, rtol, world_size)
+    known = [(label, *((*alt, label, "")[:4] if isinstance(alt, tuple) else (alt, label, label, "")))
+             for label, alt in (alternatives or {}).items()]
+    known = [(label, _t(alt), what, name, cause) for label, alt, what, name, cause in known if alt is not None]
+    for label, alt, what, name, cause in known:
+        found = _matches_alternative(a, alt, atol, rtol, world_size)
         if found is not None:
             scale, n = found
             sentence = f"matches what {what} would give" + (f", scaled by {_fraction(scale, n, world_size)}" if n
                                                               else "") + (f": {cause}" if cause else "")
             return make(name.replace(" ", "-"), sentence, alternative=label, scale=scale)
+    # two known-wrong answers at once, where each alone explains nothing: their errors added to the right answer
+    for i, (label1, alt1, what1, name1, _) in enumerate(known):
+        for label2, alt2, what2, name2, _ in known[i + 1:]:
+            if name1 == name2 or alt1.shape != e.shape or alt2.shape != e.shape:
+                continue
+            found = _matches_alternative(a, alt1 + alt2 - e, atol, rtol, world_size)
+            if found is not None and found[1] is None:
+                names = sorted({name1.replace(" ", "-"), name2.replace(" ", "-")})
+                return make("+".join(names), f"matches what {what1} and {what2} together would give (both at once; "
+                                             "neither alone explains it)", alternatives=[label1, label2],
+                            composite=names)
     ee = float((e * e).sum())
     c = float((a * e).sum()) / ee if ee > 0 else 0.0
     if ee > 0 and c != 0 and abs(c - 1.0) > SCALE_MIN_DEVIATION:

@@ -14,6 +14,10 @@ from typing import Any
 # ---- from the numbers of one comparison (diagnose.py)
 SHAPE = "shape"
 NON_FINITE = "non-finite"
+"""NaN or Inf where the reference has none, in any precision: never noise, never another mechanism."""
+NONDETERMINISTIC = "nondeterministic"
+"""Two runs of the same row with the same seed gave different numbers (uninitialised memory, a race): what each run
+read is in the details."""
 ZERO = "zero"
 UNIFORM_SCALE = "uniform-scale"
 """actual = c x expected everywhere; c or 1/c an integer N names "summed instead of averaged over N ranks"."""
@@ -72,6 +76,15 @@ gradient path back to the router (detached, or gathered by an operation with no 
 NOT_STEPPED = "not-stepped"
 """Gradients right, but the optimizer step leaves some parameters exactly unchanged: they are not in its
 parameter groups (e.g. parameters a library created after the optimizer was given the model's)."""
+LIBRARY_RAISED = "library-raised"
+"""A rank raised inside the code under test (the library's, or a user's layer and adapter): the exception, the rank
+and the file:line of the innermost frame outside moebench, torch and the standard library."""
+RANK_DIED = "rank-died"
+"""A rank ended without a result (killed by a signal, exited, or aborted by a fatal error)."""
+HUNG = "hung"
+"""The row's deadline passed with ranks still running: their stacks say where they were."""
+PROTOCOL = "adapter-protocol"
+"""The adapter broke its contract (a runner that returned no comparisons): what it returned and what it must."""
 INCOMPATIBLE_RELEASE = "incompatible-release"
 """The library fails before training with the installed release of a library it builds on (its one line names both
 versions and the call that broke), e.g. DeepSpeed's AutoEP with a transformers it was not written for."""

@@ -39,6 +39,12 @@ def judge(tag: str, what: str, run: torch.Tensor, baseline: torch.Tensor, *, ran
     ok = d_run <= BF16_NOISE_RATIO * d_base
     allowed = BF16_NOISE_RATIO * d_base
     used = d_run / allowed if allowed > 0 else (0.0 if d_run == 0 else math.inf)
-    return assertion(f"{tag}: {precision} noise model: {what}'s distance from fp32 {d_run:.3g} <= "
-                     f"{BF16_NOISE_RATIO:g} x {precision} on one process ({d_base:.3g})", ok, rank=rank, group=group,
-                     note=f"ratio {d_run / d_base:.3g}" if d_base > 0 else "no baseline distance", used=used)
+    judged = assertion(f"{tag}: {precision} noise model: {what}'s distance from fp32 {d_run:.3g} <= "
+                       f"{BF16_NOISE_RATIO:g} x {precision} on one process ({d_base:.3g})", ok, rank=rank, group=group,
+                       note=f"ratio {d_run / d_base:.3g}" if d_base > 0 else "no baseline distance", used=used)
+    if not (math.isfinite(d_run) and math.isfinite(d_base)):  # NaN or Inf somewhere: never noise
+        judged.finite = False
+        judged.passed = False
+        judged.note = (f"the {'run' if not math.isfinite(d_run) else 'one-process baseline'} holds NaN or Inf "
+                       f"({what}'s distance from fp32 {d_run:.3g}, baseline {d_base:.3g})")
+    return judged

@@ -255,9 +255,11 @@ def import_problem(target: str, timeout_s: float, key: str | None = None,
     writer.close()
     child.join(timeout_s)
     if child.is_alive():
-        child.kill()
+        from moebench.orphans import kill_tree
+
+        kill_tree(child.pid)  # and whatever the import started
         child.join(5)
-        return f"did not finish importing within {timeout_s:g} s (a hang at import?)"
+        return f"did not finish importing within {timeout_s:g} s (a hang at import? --timeout sets the limit)"
     try:
         message = reader.recv() if reader.poll() else None
     except EOFError:  # the child closed the pipe without a word: it died

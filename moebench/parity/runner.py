@@ -29,6 +29,8 @@ from moebench.errors import Interrupted, UserError
 from moebench.parity.compare import TOLERANCE_MODES, Comparison
 from moebench.parity.diagnose import summarise
 from moebench.parity.diagnosis import REFUSED, make
+from moebench.parity.final import RERUN_NAMES, never_noise, nondeterminism
+from moebench.parity.raised import AdapterProtocolError, failure_diagnosis, not_comparisons
 from moebench.parity.registry import Check, CheckOptions, Refused, SkipCheck, all_checks, load_all, parse_impls, select
 from moebench.preload import import_present
 from moebench.results import STATUS_FAILED, STATUS_INTERRUPTED, STATUS_OK, RunDir
@@ -165,6 +167,10 @@ def _rank_entry(ctx, check_name: str, opts: CheckOptions) -> dict:
         return {"skip": str(exc) or "skipped by the check"}
     except Refused as exc:
         return {"refused": str(exc) or "refused by the library"}
+    got = not_comparisons(comparisons)
+    if got:
+        raise AdapterProtocolError(f"check {check_name} returned {got}; it must return a list of comparisons "
+                                   "(moebench.parity.compare.compare(...))")
     out = []
     for c in comparisons:
         if c.rank is None:
@@ -178,7 +184,7 @@ def _audit(check: Check, result, world_size: int) -> CheckRecord:
                 catches=check.catches, world_size=world_size, elapsed_s=result.elapsed_s,
                 launch_status=result.status, backend=result.backend, labels=dict(check.labels))
     if not result.ok:
-        return CheckRecord(**base, status="fail", reason=result.describe())
+        return CheckRecord(**base, status="fail", reason=result.describe(), diagnosis=failure_diagnosis(result))
     skips = [r["skip"] for r in result.returns if r and "skip" in r]
     if skips:
         return CheckRecord(**base, status="skip", reason=skips[0])
@@ -206,7 +212,8 @@ def _audit(check: Check, result, world_size: int) -> CheckRecord:
         unasserted_outside=unasserted_outside,
         comparisons=[c.to_dict() for c in comps],
     )
-    record.diagnosis = summarise(comps, world_size, first=min(failed, key=lambda c: order[id(c)], default=None))
+    record.diagnosis = never_noise(summarise(comps, world_size, first=min(failed, key=lambda c: order[id(c)],
+                                                                          default=None)), failed)
     if not asserted:
         record.reason = "the check asserted nothing"
     elif failed:
@@ -287,6 +294,14 @@ def run_checks(config: ParityConfig, *, on_record: Callable[[CheckRecord], None]
             result = launch(_rank_entry, size, args=(check.name, opts), backend=backend,
                             timeout_s=timeout_s, label=f"check {check.name}", env=env)
             record = _audit(check, result, size)
+            if record.status == "fail" and (record.diagnosis or {}).get("name") in RERUN_NAMES:
+                signals.check()
+                again = _audit(check, launch(_rank_entry, size, args=(check.name, opts), backend=backend,
+                                             timeout_s=timeout_s, label=f"check {check.name}", env=env), size)
+                differs = nondeterminism(record, again)
+                if differs is not None:
+                    record.diagnosis = differs
+                    record.elapsed_s += again.elapsed_s
         record.user_impls = {key: config.impls[key] for key in check.impl_keys if key in config.impls}
         records.append(record)
         if on_record is not None:

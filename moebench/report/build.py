@@ -64,9 +64,15 @@ def build_report(paths: list[str], *, root: str | None = None, since: str | None
     library_runs = ([r for r in chosen["parity"] if collect.is_library_run(r)] if paths
                     else collect.library_runs(root_path, since_time))
     chosen["parity"] = [r for r in chosen["parity"] if not collect.is_library_run(r)]
+    sweep, train = bench.latest(root_path, "rows"), bench.latest(root_path, "train")
+    gpu_run = gpu.latest_run(root_path, since_time)
+    # the runs read besides the chosen ones, listed with them (a damaged one as `damaged: <file>: <reason>`)
+    others = [("bench", r) for r in (sweep, train) if r is not None]
+    others = [(kind, r) for i, (kind, r) in enumerate(others) if all(r.path != o.path for _, o in others[:i])]
+    others += [(gpu.KIND, gpu_run)] if gpu_run is not None else []
     run_dir = results.RunDir.create("report", root=root)
     run_dir.start({"inputs": [str(r.path) for kind in collect.KINDS for r in chosen[kind]]
-                   + [str(r.path) for r in library_runs]})
+                   + [str(r.path) for r in library_runs] + [str(r.path) for _, r in others]})
     out = run_dir.path
     try:
         primary = {kind: _primary(kind, chosen[kind], prefer.get(kind)) for kind in collect.KINDS}
@@ -74,7 +80,8 @@ def build_report(paths: list[str], *, root: str | None = None, since: str | None
                 for row in variant_rows(kind, primary[kind], _missing(kind, paths, since_time, root_path))]
         rows.append(parity_row(primary["parity"], _missing("parity", paths, since_time, root_path)))
         counts = {v: sum(r["verdict"] == v for r in rows) for v in (REPRODUCED, DIFFERS, NOT_RUN)}
-        listed = [(kind, r) for kind in collect.KINDS for r in chosen[kind]] + [("library", r) for r in library_runs]
+        listed = ([(kind, r) for kind in collect.KINDS for r in chosen[kind]] + [("library", r) for r in library_runs]
+                  + others)
 
         blocks: list[Block] = [
             Heading("moebench report: did chapter 6 reproduce?", 1),
@@ -103,12 +110,13 @@ def build_report(paths: list[str], *, root: str | None = None, since: str | None
         signals.check()
         blocks += variants.comparison_blocks(chosen, out)
         signals.check()
-        sweep, train = bench.latest(root_path, "rows"), bench.latest(root_path, "train")
         blocks += bench.blocks(sweep, train, out)
         signals.check()
-        gpu_run = gpu.latest_run(root_path, since_time)
         blocks += gpu.blocks(gpu_run, root_path)
-        damaged = {kind: run for kind, run in [*primary.items(), ("bench", sweep or train), (gpu.KIND, gpu_run)]
+        damaged_libraries = [r for r in library_runs if r.damage]
+        damaged = {kind: run for kind, run in [*primary.items(), ("bench", sweep or train), (gpu.KIND, gpu_run),
+                                               *(("library" if i == 0 else f"library {r.run_id}", r)
+                                                 for i, r in enumerate(damaged_libraries))]
                    if run is not None and run.damage}
 
         results.write_text_atomic(out / "REPORT.md", markdown(blocks))

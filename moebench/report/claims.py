@@ -6,9 +6,11 @@ it: the row carries the known difference or the likely cause) or `not run` (no m
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable
 
 from moebench.published import PublishedFigure
+from moebench.report.numbers import nonfinite_text, real
 
 REPRODUCED = "reproduced"
 DIFFERS = "differs"
@@ -17,7 +19,7 @@ VERDICTS = (REPRODUCED, DIFFERS, NOT_RUN)
 
 
 def _epoch_drop(summary: dict) -> float | None:
-    first, fifth = lookup(summary, "epoch_loss.1"), lookup(summary, "epoch_loss.5")
+    first, fifth = real(lookup(summary, "epoch_loss.1")), real(lookup(summary, "epoch_loss.5"))
     if first is None or fifth is None or not first:
         return None
     return 100.0 * (first - fifth) / first
@@ -65,7 +67,11 @@ def compare(measured: dict, figures: Iterable[PublishedFigure]) -> list[dict]:
     rows = []
     for fig in figures:
         value = lookup(measured, fig.key)
-        numeric = isinstance(value, (int, float)) and not isinstance(fig.value, tuple)
+        if not isinstance(fig.value, tuple):  # a number ("nan" decoded, anything else none: numbers.real)
+            value = real(value)
+        elif not isinstance(value, list):
+            value = None
+        numeric = value is not None and not isinstance(fig.value, tuple)
         diff = value - fig.value if numeric else None
         verdict, reason = judge(fig, value)
         rows.append({
@@ -88,10 +94,13 @@ def verdicts(summary: dict | None, figures: Iterable[PublishedFigure], *, not_ru
 
 
 def format_number(value, unit: str = "") -> str:
-    if value is None:
-        return "—"
     if isinstance(value, (list, tuple)):
         return "(" + ", ".join(str(v) for v in value) + ")"
+    value = real(value)
+    if value is None:
+        return "—"
+    if not math.isfinite(value):
+        return nonfinite_text(value)
     if unit == "params":
         return f"{value / 1e6:,.3f} M"
     if unit == "%":
@@ -118,11 +127,15 @@ def difference_text(row: dict) -> str:
         if row["measured"] is None:
             return "—"
         return "equal" if row["verdict"] == REPRODUCED else "not equal"
+    diff, ratio = real(diff), real(row["ratio"])
+    if diff is None or not math.isfinite(diff):
+        return "—" if diff is None else nonfinite_text(diff)
     if row["unit"] == "%":  # a difference of percentages is in percentage points
         return f"{diff:+.1f} pp"
     text = ("+" if diff >= 0 else "") + format_number(diff, row["unit"])
-    relative = row["ratio"] is not None and row["unit"] != "value"  # a relative change of a signed extreme misleads
-    return text + (f" ({100 * (row['ratio'] - 1):+.1f} %)" if relative else "")
+    # a relative change of a signed extreme misleads
+    relative = ratio is not None and math.isfinite(ratio) and row["unit"] != "value"
+    return text + (f" ({100 * (ratio - 1):+.1f} %)" if relative else "")
 
 
 def comparison_table(rows: list[dict], title: str, *, stacked: bool = False):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 from pathlib import Path
 from typing import Callable
 
@@ -37,6 +38,10 @@ class Run:
     """"<file>: <reason>" when a file of the run is damaged (results.read_run)."""
     documents: dict = dataclasses.field(default_factory=dict, repr=False)
     """Every validated file of the run folder (results.RunFiles.documents; {} when damaged)."""
+    hints: dict = dataclasses.field(default_factory=dict, repr=False)
+    """A damaged run's summary.json and config.json as far as they parse, unvalidated ({"summary": {...},
+    "config": {...}}): used only to tell which section reports its damage (a `verify-parity --library` run's
+    in the library section), never as a measurement."""
 
     @property
     def metrics(self) -> list[dict]:
@@ -65,7 +70,19 @@ def is_library_run(run: Run) -> bool:
     writing them) the checks config.json names are rows, whose names are library/model/... paths."""
     if run.kind != "parity":
         return False
-    return "rows" in run.summary or any("/" in str(name) for name in (run.config or {}).get("checks") or ())
+    summary, config = _facts(run)
+    return "rows" in summary or any("/" in str(name) for name in _list(config.get("checks")))
+
+
+def _facts(run: Run) -> tuple[dict, dict]:
+    """(summary, config) of a run: its validated files, or for a damaged run what of them parses (`hints`)."""
+    if run.damage:
+        return run.hints.get("summary") or {}, run.hints.get("config") or {}
+    return run.summary, run.config or {}
+
+
+def _list(value) -> list:
+    return value if isinstance(value, list) else []
 
 
 def is_whole_suite_run(run: Run) -> bool:
@@ -78,11 +95,12 @@ def is_whole_suite_run(run: Run) -> bool:
 def library_identity(run: Run) -> tuple:
     """What a library run verified, to tell runs apart: its libraries, its --ds-config, with or without the
     resume rows, the rows it was limited to (the latest run of each is the one a report shows)."""
-    rows = run.summary.get("rows") or []
-    names = (run.config or {}).get("checks") or [r.get("check", "") for r in rows]
+    summary, config = _facts(run)
+    names = _list(config.get("checks")) or [r.get("check", "") for r in _list(summary.get("rows"))
+                                             if isinstance(r, dict)]
     libraries = tuple(sorted({str(name).split("/")[0] for name in names}))
     resume = any("resume" in str(name) for name in names)
-    return libraries, repr(run.summary.get("ds_config")), resume, len(names)
+    return libraries, repr(summary.get("ds_config")), resume, len(names)
 
 
 def load_run(path: Path) -> Run:
@@ -91,10 +109,20 @@ def load_run(path: Path) -> Run:
     files = results.read_run(path)
     if files.damage:
         return Run(path=path, kind=path.parent.name, status=files.status, summary={}, config=None,
-                   error=f"damaged: {files.damage}", damage=files.damage)
+                   error=f"damaged: {files.damage}", damage=files.damage,
+                   hints={"summary": _parsed(path / "summary.json"), "config": _parsed(path / "config.json")})
     summary = files.summary
     return Run(path=path, kind=summary["kind"], status=files.status, summary=summary, config=files.config,
                error=str(summary.get("error") or ""), documents=files.documents)
+
+
+def _parsed(path: Path) -> dict:
+    """A damaged run's file as far as it parses as a JSON object (unvalidated), else {}."""
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return document if isinstance(document, dict) else {}
 
 
 def latest(root: Path, kind: str, since: datetime.datetime | None = None,

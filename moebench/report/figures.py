@@ -9,6 +9,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from moebench.report import numbers
+from moebench.report.numbers import finite, real
+
 COLORS = {"measured": "#1f77b4", "chapter": "#d62728", "eval": "#2ca02c", "aux": "#9467bd", "drop": "#ff7f0e"}
 PARAM_CATEGORIES = ("total", "moe", "attention", "norm")
 """The categories the chapter counts (params.json by_category keys; total first)."""
@@ -55,6 +58,7 @@ def plot_loss(metrics: list[dict], path: Path, *, title: str = "", steps_per_epo
     if not metrics:
         return None
     plt = pyplot()
+    eval_loss, aux_coef = real(eval_loss), real(aux_coef)
     steps = [m["step"] for m in metrics]
     fig, ax = plt.subplots(figsize=(8, 4.2))
     ax.plot(steps, [m["loss"] for m in metrics], color=COLORS["measured"], lw=1.4, label="training loss (measured)")
@@ -73,7 +77,7 @@ def plot_loss(metrics: list[dict], path: Path, *, title: str = "", steps_per_epo
                       label="epoch mean (measured)" if i == 0 else None, zorder=3)
     if eval_loss is not None:
         ax.plot([last], [eval_loss], marker="D", color=COLORS["eval"], ls="none",
-                label=f"eval loss, held-out batch ({eval_loss:.3f})")
+                label=f"eval loss, held-out batch ({numbers.text(eval_loss, '.3f')})")
     for i, (step, value, label) in enumerate(chapter_marks):
         ax.plot([step], [value], marker="o", mfc="none", mec=COLORS["chapter"], mew=1.8, ms=9, ls="none",
                 label="chapter (published)" if i == 0 else None)
@@ -86,7 +90,7 @@ def plot_loss(metrics: list[dict], path: Path, *, title: str = "", steps_per_epo
     _integer_steps(ax)
     ax.grid(alpha=0.3)
     handles, labels = ax.get_legend_handles_labels()
-    aux = [m.get("aux_loss") or 0.0 for m in metrics]
+    aux = [real(m.get("aux_loss")) or 0.0 for m in metrics]  # NaN stays NaN: a gap in the line
     if any(aux):
         ax2 = ax.twinx()  # its own axis: DeepSpeed's raw l_aux (~2) would dwarf the MSE
         ax2.plot(steps, aux, color=COLORS["aux"], lw=0.7, alpha=0.45)
@@ -105,6 +109,8 @@ def plot_loss(metrics: list[dict], path: Path, *, title: str = "", steps_per_epo
 
 def plot_params(by_category: dict, published: dict, path: Path, *, title: str) -> Path | None:
     """Parameter counts per category, measured beside the chapter's (log scale: 273 M next to 4 k)."""
+    by_category = {c: finite(v) for c, v in by_category.items() if finite(v) is not None}
+    published = {c: v for c, v in published.items() if finite(v) is not None}
     cats = [c for c in PARAM_CATEGORIES if c in by_category]
     if not cats:
         return None
@@ -127,7 +133,7 @@ def plot_params(by_category: dict, published: dict, path: Path, *, title: str) -
     ax.set_yticks(list(ys), cats)
     ax.invert_yaxis()
     ax.set_xscale("log")
-    ax.set_xlim(right=max(measured + list(published.values())) * 20)
+    ax.set_xlim(right=max([1, *measured, *published.values()]) * 20)
     ax.set_xlabel("parameters (log scale)")
     ax.legend(fontsize=8, loc="lower right")
     ax.set_title(title, fontsize=11)
@@ -141,7 +147,8 @@ def plot_expert_load(metrics: list[dict], path: Path, *, title: str) -> Path | N
     if not rows:
         return None
     layers = len(rows[0]["tokens_per_expert"])
-    drops = [(m["step"], m["dropped_route_frac"]) for m in metrics if m.get("dropped_route_frac") is not None]
+    drops = [(m["step"], finite(m.get("dropped_route_frac"))) for m in metrics
+             if finite(m.get("dropped_route_frac")) is not None]
     if not any(f for _, f in drops):  # a gate without capacity (naive): the text says 0 %, no empty panel
         drops = []
     plt = pyplot()
@@ -181,12 +188,15 @@ def plot_expert_load(metrics: list[dict], path: Path, *, title: str) -> Path | N
 
 
 def tolerance_ratio(comparison: dict) -> float | None:
-    """Largest difference over its tolerance (allclose: atol + rtol x the largest expected value)."""
-    diff, atol, rtol = comparison.get("max_abs_diff"), comparison.get("atol"), comparison.get("rtol")
+    """Largest difference over its tolerance (allclose: atol + rtol x the largest expected value); NaN when a
+    number it needs is NaN (the files write it "nan": numbers.real), None when one is missing."""
+    diff, atol, rtol = (real(comparison.get(key)) for key in ("max_abs_diff", "atol", "rtol"))
     if diff is None or atol is None or rtol is None:
         return None
-    allowed = atol + rtol * abs(comparison.get("magnitude") or 0.0)
-    if not math.isfinite(diff):
+    allowed = atol + rtol * abs(real(comparison.get("magnitude")) or 0.0)
+    if math.isnan(diff) or math.isnan(allowed):
+        return math.nan
+    if math.isinf(diff):
         return math.inf
     return diff / allowed if allowed > 0 else (0.0 if diff == 0 else math.inf)
 
@@ -197,16 +207,36 @@ CLOSENESS_KINDS = ("allclose", "equal")
 
 def check_ratio(check: dict) -> float | None:
     """The largest share of its allowance over a check's judged comparisons: a tolerance's (closeness
-    comparisons) or the noise model's (`used`); None when it has neither (assertions only, or nothing ran)."""
-    ratios = [r for r in (tolerance_ratio(c) for c in check.get("comparisons") or []
+    comparisons) or the noise model's (`used`); None when it has neither (assertions only, or nothing ran);
+    NaN when any of them is NaN (a NaN is larger than nothing and smaller than nothing: the check's share is
+    not a number, shown as non-finite, never as a pass)."""
+    comparisons = [c for c in check.get("comparisons") or [] if isinstance(c, dict)]
+    ratios = [r for r in (tolerance_ratio(c) for c in comparisons
                           if c.get("kind", "allclose") in CLOSENESS_KINDS) if r is not None]
-    ratios += [c["used"] for c in check.get("comparisons") or [] if c.get("used") is not None]
+    ratios += [used for used in (real(c.get("used")) for c in comparisons) if used is not None]
+    if any(math.isnan(r) for r in ratios):
+        return math.nan
     return max(ratios) if ratios else None
 
 
 def by_noise_model(check: dict) -> bool:
     """Whether the check is judged by the noise model (low precision, moebench.parity.noise)."""
-    return any(c.get("used") is not None for c in check.get("comparisons") or [])
+    return any(real(c.get("used")) is not None for c in check.get("comparisons") or [] if isinstance(c, dict))
+
+
+def ratio_text(ratio: float | None, *, missing: str = "—") -> str:
+    """A check's share of its allowance in a table: "exact" (0), "non-finite (nan)", "inf", or 1.2e-03."""
+    if ratio is None:
+        return missing
+    if ratio == 0:
+        return "exact"
+    if math.isnan(ratio):
+        return NONFINITE_RATIO
+    return "inf" if math.isinf(ratio) else f"{ratio:.2e}"
+
+
+NONFINITE_RATIO = "non-finite (nan)"
+"""A ratio that is NaN (a difference, a tolerance or a noise-model ratio recorded as NaN): no bar, this text."""
 
 
 BAR_CAP = 1e3
@@ -217,20 +247,27 @@ def _ratio_bars(rows: list[tuple[str, float | None, str]], *, size: tuple[float,
                 notes: list[str] | None = None):
     """One horizontal bar per (label, largest |difference| / allowance, status) on a log axis, pass in the
     measured colour and anything else in the chapter's; a row without a ratio (skipped, refused, assertions
-    only) gets no bar, only its note at the left, so every row is on the figure. Returns (fig, ax)."""
+    only) gets no bar, only its note at the left, so every row is on the figure. A NaN ratio gets no bar either:
+    "non-finite (nan)" and its status at the left, in the chapter's colour whatever its status (a NaN is never
+    drawn as a pass); an infinite one a bar to BAR_CAP labelled inf, never in the pass colour. Returns (fig, ax)."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=size)
     notes = notes or [""] * len(rows)
     # a bar ends at BAR_CAP at most, so its label (the true ratio) stays inside the axis
-    values = [None if r is None else min(max(r, TOLERANCE_FLOOR), BAR_CAP) for _, r, _ in rows]
-    colors = [COLORS["measured"] if status == "pass" else COLORS["chapter"] for _, _, status in rows]
+    values = [None if r is None or math.isnan(r) else min(max(r, TOLERANCE_FLOOR), BAR_CAP) for _, r, _ in rows]
+    colors = [COLORS["measured"] if status == "pass" and r is not None and math.isfinite(r) else COLORS["chapter"]
+              for _, r, status in rows]
     for y, ((_, ratio, status), value, color, note) in enumerate(zip(rows, values, colors, notes)):
+        if ratio is not None and math.isnan(ratio):  # a NaN difference or ratio: said, in the failing colour
+            ax.text(TOLERANCE_FLOOR / 10, y, f" {NONFINITE_RATIO}: {status}" + (f" ({note})" if note else ""),
+                    va="center", fontsize=8, color=COLORS["chapter"])
+            continue
         if value is None:  # nothing with an allowance was compared: its status (and why), in grey
             ax.text(TOLERANCE_FLOOR / 10, y, f" {status}" + (f": {note}" if note else ""), va="center",
                     fontsize=8, color="#555555" if status in ("skip", "refused", "pass") else color)
             continue
         ax.barh(y, value, color=color, left=TOLERANCE_FLOOR / 10)
-        # inf: a difference over a zero tolerance (an exact comparison), or NaN / Inf values
+        # inf: a difference over a zero tolerance (an exact comparison), or an infinite difference
         text = "exact (0)" if ratio == 0 else "inf" if not math.isfinite(ratio) else f"{ratio:.1e}"
         text = f" {text} {status}" if with_status else f" {text}"
         ax.text(value, y, text + (f" ({note})" if note else ""), va="center", fontsize=8)
@@ -280,9 +317,10 @@ def plot_library(rows: list[dict], checks: list[dict], path: Path, *, title: str
     for r in rows:
         check = by_name.get(r.get("check"), {})
         ratio = check_ratio(check)
-        drawn.append((r.get("check") or r.get("key") or "?", ratio, r["verdict"]))
+        verdict = str(r.get("verdict") or "?")
+        drawn.append((r.get("check") or r.get("key") or "?", ratio, verdict))
         notes.append(("noise model" if by_noise_model(check) else "") if ratio is not None
-                     else _why_no_bar(r["verdict"], r.get("diagnosis") or check.get("reason") or ""))
+                     else _why_no_bar(verdict, r.get("diagnosis") or check.get("reason") or ""))
     fig, ax = _ratio_bars(drawn, size=(11, 0.3 * len(drawn) + 1.6), with_status=True, notes=notes)
     line = ax.axvline(1.0, color=COLORS["chapter"], ls="--", lw=1, label="allowance")
     ax.legend(handles=[line, Patch(color=COLORS["measured"], label="pass"),

@@ -170,3 +170,58 @@ def test_a_signal_with_no_safe_point_in_sight_is_raised_after_the_grace(tmp_path
     assert signals.SAFE_POINT_GRACE_S <= took < signals.SAFE_POINT_GRACE_S + 10, took
     (run,) = (tmp_path / "r" / "toy").iterdir()
     assert json.loads((run / "summary.json").read_text())["status"] == "interrupted", err
+
+
+def test_the_graces_raise_waits_until_the_main_thread_leaves_a_finaliser(tmp_path):
+    """The grace's re-delivery found the main thread inside a finaliser (seen: logging's lock release, a fork
+    hook, 8 s into a torchtitan row: "Exception ignored in: <function _releaseLock> ... KeyboardInterrupt"). Raised
+    there it is printed and dropped, and nothing raises it again: the command then sleeps on. Now it is tried
+    again every RETRY_S until the main thread is out, and raised there."""
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent("""
+        import sys, time
+        from moebench import signals
+        signals.install()
+        class Slow:
+            def __del__(self):  # 1.5 s longer than the grace, inside a finaliser
+                end = time.monotonic() + signals.SAFE_POINT_GRACE_S + 1.5
+                while time.monotonic() < end:
+                    time.sleep(0.01)
+        print("running", flush=True)
+        try:
+            Slow()
+            time.sleep(60)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+            sys.exit(130)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "running"
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"the signal was dropped; the command slept on: {err[-2000:]}")
+    took = time.monotonic() - sent
+    assert proc.returncode == 130 and out.strip() == "interrupted", (proc.returncode, out, err)
+    assert "Exception ignored" not in err, err
+    assert signals.SAFE_POINT_GRACE_S + 1.0 <= took < signals.SAFE_POINT_GRACE_S + 8, took
+
+
+def test_a_frame_in_logging_or_a_finaliser_is_where_exceptions_are_dropped():
+    import logging
+
+    namespace: dict = {}
+    exec(compile("import sys\nframe = sys._getframe()", logging.__file__, "exec"), namespace)
+    assert signals._drops_exceptions(namespace["frame"])
+
+    class Finalised:
+        def __del__(self):
+            namespace["del_frame"] = sys._getframe()
+
+    Finalised()
+    assert signals._drops_exceptions(namespace["del_frame"])
+    assert not signals._drops_exceptions(sys._getframe())

@@ -6,12 +6,13 @@ from __future__ import annotations
 import base64
 import html.parser
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import warmcli
+from helpers import browser, warmcli
 
 from moebench import published
 from moebench.report import build, claims, collect, verdict_rows
@@ -308,21 +309,47 @@ def test_every_published_figure_has_a_reasoned_tolerance():
 
 @pytest.mark.browser
 def test_report_renders_in_headless_chromium(results_root, tmp_path):
-    """report.html opens in a real browser (Debian's `chromium`) and draws a page that is not blank."""
-    browser = shutil.which("chromium") or shutil.which("chromium-browser")
-    if browser is None:
-        pytest.skip("chromium is not installed (apt-get install chromium)")
+    """report.html in a real browser (Debian's `chromium`, headless): every figure loaded (an <img> with a
+    non-zero naturalWidth), every table rendered (a height, body rows), read back from the page by a checker
+    script injected into a copy of it (tests/helpers/browser.py says how); then a screenshot of the whole page,
+    kept in tmp_path (its path is printed)."""
+    chromium = browser.find()
     result = build.build_report([], root=str(results_root))
-    shot = tmp_path / "page.png"
-    out = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                          "--window-size=1200,3000", f"--screenshot={shot}",
-                          (result.path / "report.html").as_uri()], capture_output=True, text=True, timeout=120)
-    assert shot.exists(), out.stderr
+    page = result.path / "report.html"
+    text = page.read_text()
+    checked = browser.check_page(chromium, page, tmp_path)
+    assert len(checked["images"]) == text.count("<img ") >= 6, checked["images"]  # every PNG the report drew
+    assert len(checked["tables"]) == text.count("<table>") >= 4, checked["tables"]
+    assert browser.problems(checked) == []
+    shot = browser.screenshot(chromium, page, tmp_path / "report.png", checked["height"])
+    print(f"screenshot of the report in chromium: {shot}")
     import matplotlib.image
 
     pixels = matplotlib.image.imread(shot)
-    assert pixels.shape[:2] == (3000, 1200)
+    assert pixels.shape[:2] == (min(checked["height"], browser.MAX_SHOT_HEIGHT), browser.WIDTH)
     assert pixels.std() > 0.05  # text, tables and figures, not an empty page
+
+
+@pytest.mark.browser
+def test_the_browser_check_finds_a_broken_figure_and_an_empty_table(results_root, tmp_path):
+    """The check above can fail: in a copy of the page one embedded figure's PNG is cut to its first bytes and
+    one table loses its rows; the browser reports exactly those two."""
+    chromium = browser.find()
+    result = build.build_report([], root=str(results_root))
+    text = (result.path / "report.html").read_text()
+    images = list(re.finditer(r'src="data:image/png;base64,([^"]+)"', text))
+    second = images[1]
+    cut = base64.b64encode(base64.b64decode(second.group(1))[:40]).decode("ascii")  # a PNG's header, no image
+    text = text[:second.start(1)] + cut + text[second.end(1):]
+    last_body = text.rindex("<tbody>")
+    text = text[:last_body] + "<tbody>" + text[text.index("</tbody>", last_body):]
+    broken = tmp_path / "broken.html"
+    broken.write_text(text)
+    found = browser.problems(browser.check_page(chromium, broken, tmp_path))
+    tables = text.count("<table>")
+    assert len(found) == 2, found
+    assert found[0].startswith("figure 2 did not load (0x0): "), found
+    assert found[1].startswith(f"table {tables} did not render ("), found
 
 
 def test_both_variants_record_routing_per_step(source_results):

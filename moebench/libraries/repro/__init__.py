@@ -93,12 +93,23 @@ def write_scripts(directory: str, summary: dict[str, Any], rows: dict[str, Any],
     """The summary with "repro" (each script written: check, path) and "no_repro" (failing rows with none).
 
     `rows` maps a check name to its matrix.RowCheck (adapter and row). Only failing rows get a script."""
+    from moebench.libraries.registry import one_line
     from moebench.results import write_text_atomic
 
     failing = [c["name"] for c in summary.get("checks", ()) if c.get("status") == "fail" and c["name"] in rows]
-    written, without = [], []
+    written, without, broken = [], [], []
     for name in failing:
-        source = rows[name].adapter.repro_script(rows[name].row, seed)
+        adapter = rows[name].adapter
+        try:  # an adapter's code: what it raises or returns wrongly is named, the verdicts stand
+            source = adapter.repro_script(rows[name].row, seed)
+        except Exception as exc:  # noqa: BLE001
+            why = f"{type(exc).__name__}: {one_line(str(exc), 200)}"
+            broken.append((name, f"{adapter.name}.repro_script raised {why}"))
+            continue
+        if source is not None and not isinstance(source, str):
+            broken.append((name, f"{adapter.name}.repro_script returned a {type(source).__name__}; it must return the "
+                                 "script's source (a string) or None"))
+            continue
         if source is None:
             without.append(name)
             continue
@@ -108,10 +119,20 @@ def write_scripts(directory: str, summary: dict[str, Any], rows: dict[str, Any],
                 path.parent.mkdir(parents=True, exist_ok=True)
                 write_text_atomic(path, source)
             except OSError as exc:  # the verdicts stand; the scripts not written are named
-                error = f"could not write {path}: {exc.strerror or exc}"
+                error = "; ".join([*_grouped(broken), f"could not write {path}: {exc.strerror or exc}"])
                 return {**summary, "repro": written, "no_repro": without, "repro_error": error}
         written.append({"check": name, "path": str(path)})
-    return {**summary, "repro": written, "no_repro": without}
+    return {**summary, "repro": written, "no_repro": without,
+            **({"repro_error": "; ".join(_grouped(broken))} if broken else {})}
+
+
+def _grouped(broken: list[tuple[str, str]]) -> list[str]:
+    """One message per distinct failure of an adapter's repro_script, with the first row it failed on."""
+    by_why: dict[str, list[str]] = {}
+    for name, why in broken:
+        by_why.setdefault(why, []).append(name)
+    return [f"{why} (row {names[0]}" + (f" and {len(names) - 1} more)" if len(names) > 1 else ")")
+            for why, names in by_why.items()]
 
 
 def lines(summary: dict[str, Any]) -> list[str]:

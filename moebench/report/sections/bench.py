@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from moebench.report import collect
+from moebench.report.numbers import real, text
 from moebench.report.render import Block, Figure, Heading, Para, Table
 
 
@@ -46,7 +47,7 @@ def _bench_sweep_blocks(run: collect.Run, out: Path) -> list[Block]:
         if r.get("skipped"):
             rows.append((*point, "skipped", "", "", "", str(r["skipped"])[:80]))
             continue
-        rows.append((*point, f"{r.get('tokens_per_s', 0):,.0f}", f"{r.get('gflops', 0):.1f}",
+        rows.append((*point, _fmt(r.get("tokens_per_s"), ",.0f"), _fmt(r.get("gflops"), ".1f"),
                      _fmt(r.get("vs_ideal"), ".2f"), _fmt(r.get("vs_deepspeed_cf1"), ".2f"), ""))
     if rows:
         blocks.append(Table(headers=("layer", "experts", "tokens", "k", "tokens/s", "GFLOP/s", "× ideal",
@@ -59,7 +60,7 @@ def _bench_sweep_blocks(run: collect.Run, out: Path) -> list[Block]:
                                      "comm share"),
                             rows=tuple((r["layer"], f"{r['world_size']}{' *' if r.get('oversubscribed') else ''}",
                                         str(r["experts"]), str(r["tokens"]), str(r["top_k"]),
-                                        f"{r['tokens_per_s']:,.0f}", _fmt(r.get("vs_world_1"), ".2f"),
+                                        _fmt(r.get("tokens_per_s"), ",.0f"), _fmt(r.get("vs_world_1"), ".2f"),
                                         _fmt(r.get("comm_share"), ".0%")) for r in parallel)))
     for png in sorted(run.path.glob("*.png")):
         copy = out / f"bench-{png.name}"
@@ -75,13 +76,15 @@ def _bench_train_blocks(run: collect.Run) -> list[Block]:
     rates = train.get("rates") or {}
     blocks: list[Block] = [Para(
         f"bench {run.run_id} (`--train`, status {run.status}): one training step of each preset, phase by phase. "
-        f"Bounds: matmul FLOPs at {rates.get('gemm_flop_per_s', 0) / 1e9:.0f} GFLOP/s, bytes at "
-        f"{rates.get('memory_bytes_per_s', 0) / 1e9:.1f} GB/s (both measured here); × bound = time / bound.")]
+        f"Bounds: matmul FLOPs at {_fmt(_scaled(rates.get('gemm_flop_per_s'), 1e-9), '.0f')} GFLOP/s, bytes at "
+        f"{_fmt(_scaled(rates.get('memory_bytes_per_s'), 1e-9), '.1f')} GB/s (both measured here); "
+        "× bound = time / bound.")]
     rows = []
     for v in train.get("variants") or []:
         for p in v.get("phases") or []:
-            rows.append((f"{v['variant']} ({v['preset']})", p["phase"], f"{1000 * p['time_s']:.1f}",
-                         f"{p['share']:.0%}", f"{1000 * p['bound_s']:.1f}", _fmt(p.get("x_bound"), ".1f")))
+            rows.append((f"{v['variant']} ({v['preset']})", p["phase"], _fmt(_scaled(p.get("time_s"), 1000), ".1f"),
+                         _fmt(p.get("share"), ".0%"), _fmt(_scaled(p.get("bound_s"), 1000), ".1f"),
+                         _fmt(p.get("x_bound"), ".1f")))
     if rows:
         blocks.append(Table(headers=("preset", "phase", "ms", "share", "bound ms", "× bound"), rows=tuple(rows)))
     return blocks
@@ -96,4 +99,9 @@ def latest(root: Path, section: str) -> collect.Run | None:
 
 
 def _fmt(value, spec: str = ".4f") -> str:
-    return "—" if value is None else format(value, spec)
+    return text(value, spec)
+
+
+def _scaled(value, factor: float) -> float | None:
+    number = real(value)
+    return None if number is None else number * factor

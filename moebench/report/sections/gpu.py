@@ -9,6 +9,7 @@ import datetime
 from pathlib import Path
 
 from moebench.report import collect
+from moebench.report.numbers import real, text
 from moebench.report.render import Block, Heading, Para, Table
 
 KIND = "gpu-check"
@@ -17,7 +18,12 @@ HOW = "on a machine with a CUDA GPU run `make gpu-check` (README: On a CUDA mach
 
 
 def _num(value, spec: str) -> str:
-    return "-" if value is None or isinstance(value, str) else format(value, spec)
+    return text(value, spec, missing="-")
+
+
+def _dict(value) -> dict:
+    """A field the schema leaves open, when it is the object the section reads ({} otherwise)."""
+    return value if isinstance(value, dict) else {}
 
 
 def latest_run(root: Path, since: datetime.datetime | None = None) -> collect.Run | None:
@@ -41,11 +47,12 @@ def blocks(run: collect.Run | None, root: Path) -> list[Block]:
     out.append(Para(
         f"gpu-check {run.run_id} on {doc['host']}: {doc['gpu_count']} GPU(s) ({gpus}), torch {doc['torch']} "
         f"(CUDA {doc['torch_cuda']}); status {run.status}: {counts['pass']} pass, {counts['fail']} fail, "
-        f"{counts['timeout']} timeout, {counts['skip']} skip in {doc['elapsed_s']:.0f} s "
-        f"(budget {doc['budget_s']:.0f} s)."))
+        f"{counts['timeout']} timeout, {counts['skip']} skip in {_num(doc.get('elapsed_s'), '.0f')} s "
+        f"(budget {_num(doc.get('budget_s'), '.0f')} s)."))
     steps = doc["steps"]
     out.append(Table(headers=("step", "status", "time", "what", "outcome"),
-                     rows=tuple((s["name"], s["status"], f"{s['elapsed_s']:.0f} s" if s["elapsed_s"] else "-",
+                     rows=tuple((s["name"], s["status"],
+                                 f"{_num(s['elapsed_s'], '.0f')} s" if s.get("elapsed_s") else "-",
                                  s["title"], s["reason"] or "-") for s in steps),
                      classes=tuple("fail" if s["status"] == "timeout" else s["status"] for s in steps)))
     by_name = {s["name"]: s for s in steps}
@@ -67,11 +74,11 @@ def _layer_blocks(step: dict | None) -> list[Block]:
         return []
     rows = []
     for g in result.get("gates", []):
-        first = g.get("first_failure") or {}
+        first = _dict(g.get("first_failure"))
         rows.append((g["gate"], str(g["top_k"]), g["status"], f"{g['comparisons_failed']}/{g['comparisons_total']}",
                      _num(g.get("worst_ratio"), ".3g"),
                      f"{first.get('name')}: {first.get('diagnosis')}" if first else "-"))
-    tol = result.get("tolerance") or {}
+    tol = _dict(result.get("tolerance"))
     return [Para(f"Real fmoe vs moebench's reference layer, same seed (rtol {tol.get('rtol')}, atol "
                  f"{tol.get('atol_fraction')} x largest): worst = largest |difference| / allowed."),
             Table(headers=("gate", "k", "status", "failed", "worst", "first failure"), rows=tuple(rows),
@@ -83,7 +90,7 @@ def _runs_blocks(compare: dict | None, fmoe: dict | None, ref: dict | None) -> l
     for label, step in (("fmoe", fmoe), ("reference", ref)):
         r = _result(step)
         if r is not None:
-            rows.append((label, f"{r.get('params_total') or 0:,}", _num(r.get("loss_first"), ".4f"),
+            rows.append((label, _num(r.get("params_total") or 0, ","), _num(r.get("loss_first"), ".4f"),
                          _num(r.get("loss_last"), ".4f"), _num(r.get("tokens_per_s_steady"), ",.0f")))
     if not rows:
         return []
@@ -103,11 +110,11 @@ def _bench_blocks(step: dict | None) -> list[Block]:
         if r.get("skipped"):
             rows.append((r["layer"], r["dtype"], "skipped", "-", "-", "-", str(r["skipped"])[:80]))
         else:
-            share = r.get("peak_fraction")
+            share = real(r.get("peak_fraction"))
             rows.append((r["layer"], r["dtype"], _num(r.get("tflops"), ".1f"),
-                         "-" if share is None else f"{100 * share:.0f} %", _num(r.get("vs_ideal"), ".2f"),
+                         "-" if share is None else f"{_num(100 * share, '.0f')} %", _num(r.get("vs_ideal"), ".2f"),
                          _num(r.get("vs_dense"), ".2f"), ""))
-    peak = result.get("peak") or {}
+    peak = _dict(result.get("peak"))
     source = peak.get("source") or f"no datasheet peak known for {result.get('device')}"
     return [Para(f"One MoE layer on {result.get('device')}, forward + backward ({source})."),
             Table(headers=("layer", "dtype", "TFLOP/s", "of peak", "x ideal", "x dense", "note"), rows=tuple(rows))]

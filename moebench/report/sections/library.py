@@ -28,16 +28,20 @@ def blocks(runs: list[collect.Run], out: Path) -> list[Block]:
 
 def _names(run: collect.Run) -> str:
     rows = run.summary.get("rows") or []
-    names = list(dict.fromkeys(r["library"] for r in rows)) or sorted(
+    names = list(dict.fromkeys(str(r["library"]) for r in rows if r.get("library"))) or sorted(
         {str(n).split("/")[0] for n in (run.config or {}).get("checks") or ()})
     return ", ".join(names) or "no row"
 
 
 def _run_blocks(run: collect.Run, png_path: Path, *, heading: bool) -> list[Block]:
+    if run.damage:  # none of its files is used: what is damaged, and no table or figure
+        why = run.not_ok_reason()
+        return ([Heading(f"verify-parity --library: {run.run_id}", 3)] if heading else []) + [
+            Para(f"verify-parity --library {run.run_id}: {why}.")]
     summary = run.summary
     rows = summary.get("rows") or []
     names = _names(run)
-    counts = {v: sum(r["verdict"] == v for r in rows) for v in ("pass", "fail", "skip", "refused")}
+    counts = {v: sum(r.get("verdict") == v for r in rows) for v in ("pass", "fail", "skip", "refused")}
     refused = f", {counts['refused']} refused by the library" if counts["refused"] else ""
     ds_config = f"; --ds-config {summary['ds_config'].get('path', '')}" if isinstance(summary.get("ds_config"),
                                                                                      dict) else ""
@@ -54,23 +58,27 @@ def _run_blocks(run: collect.Run, png_path: Path, *, heading: bool) -> list[Bloc
     for r in rows:
         check = checks.get(r.get("check"), {})
         ratio = figures.check_ratio(check)
-        shown = "—" if ratio is None else "exact" if ratio == 0 else f"{ratio:.2e}"
+        shown = figures.ratio_text(ratio)
         if ratio is not None and figures.by_noise_model(check):
             shown += " (noise model)"
         features = ("+".join(r.get("features") or ()) or "-",) if with_features else ()
-        cells.append((r["library"], r["version"], r["model"], r["backend"], r["ep_mode"], *features,
-                      str(r["world_size"]), r["verdict"], shown, r.get("diagnosis") or ""))
+        cells.append((*(str(r.get(key, "?")) for key in ("library", "version", "model", "backend", "ep_mode")),
+                      *features, str(r.get("world_size", "?")), str(r.get("verdict", "?")), shown,
+                      r.get("diagnosis") or ""))
     if cells:
         headers = ("library", "version", "model", "backend", "EP mode", *(("features",) if with_features else ()),
                    "world", "verdict", "largest diff / allowance", "diagnosis")
-        blocks.append(Table(headers=headers, rows=tuple(cells), classes=tuple(r["verdict"] for r in rows)))
+        blocks.append(Table(headers=headers, rows=tuple(cells),
+                            classes=tuple(str(r.get("verdict", "")) for r in rows)))
     png = figures.plot_library(rows, list(checks.values()), png_path,
                                title=f"verify-parity --library {names} ({run.run_id}): largest difference / "
                                      "allowance per row")
     if png:
         blocks.append(Figure(png, "Every row (library/model/backend/EP mode/world size): the largest |difference| "
                                   "over its allowance (log scale), coloured by verdict: blue passed, red failed; a "
-                                  "row passes below 1; inf: a difference where equality was required. Low-precision "
+                                  "row passes below 1; inf: a difference where equality was required; "
+                                  f"{figures.NONFINITE_RATIO}: a difference, tolerance or noise-model ratio recorded "
+                                  "as NaN, no bar and never a pass. Low-precision "
                                   "rows (noise model) are their distance from fp32 over the allowed multiple of the "
                                   "one-process baseline's. Skipped and refused rows have no bar: their status and "
                                   "reason stand in its place."))

@@ -23,7 +23,7 @@ def blocks(run: collect.Run | None, out: Path) -> list[Block]:
         ratio = figures.check_ratio(check)
         vacuous = check.get("vacuous", 0)
         rows.append((check["name"], check.get("status", ""),
-                     "— (none with a tolerance)" if ratio is None else "exact" if ratio == 0 else f"{ratio:.2e}",
+                     figures.ratio_text(ratio, missing="— (none with a tolerance)"),
                      f"{check.get('comparisons_total', 0)}" + (f" ({vacuous} VACUOUS)" if vacuous else ""),
                      check.get("catches") or check.get("description", ""),
                      check.get("reason") or ""))
@@ -35,5 +35,7 @@ def blocks(run: collect.Run | None, out: Path) -> list[Block]:
         blocks.append(Figure(png, "Every check: the largest |difference| over its allowed difference (log scale); "
                                   "a check passes below 1. Exactly equal results are a stub at 1e-9, labelled exact. "
                                   "A check whose assertions have no tolerance (two things must differ, a call must "
-                                  "raise) or that was skipped has no bar: its status and why stand in its place."))
+                                  "raise) or that was skipped has no bar: its status and why stand in its place; "
+                                  "nor has one whose largest difference or tolerance is NaN: "
+                                  f"{figures.NONFINITE_RATIO}, in red."))
     return blocks

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from moebench.report import chapter, collect, figures
+from moebench.report.numbers import real, text
 from moebench.report.render import Block, Bullets, Figure, Heading, Para, Table
 from moebench.report.verdict_rows import FIGURES, PARAMS_PUBLISHED, chapter_config
 
@@ -40,16 +41,17 @@ def blocks(kind: str, run: collect.Run | None, out: Path) -> list[Block]:
                      f"world size {summary.get('world_size')}, ep_size {summary.get('ep_size')}, "
                      f"comm {summary.get('comm_backend')}")
     if summary.get("steps"):
-        steady = summary.get("tokens_per_s_steady")
         steps, epochs, per_epoch = summary["steps"], summary.get("epochs"), summary.get("steps_per_epoch")
         shape = (f"{epochs} epoch(s) of {per_epoch} steps" if epochs and per_epoch and steps == epochs * per_epoch
                  else f"stopped by --steps; an epoch is {per_epoch} steps")
-        facts.append(f"{steps} steps ({shape}), training time {summary.get('train_time_s', 0):.1f} s of "
-                     f"{summary.get('wall_time_s', 0):.1f} s wall; tokens/s steady "
-                     + (f"{steady:,.0f}" if steady else "—") + f", overall {summary.get('tokens_per_s', 0):,.0f}")
-    if (summary.get("test") or {}).get("loss") is not None:
-        facts.append(f"eval loss on a held-out batch {summary['test']['loss']:.4f}; test shape "
-                     f"{tuple(summary['test']['input_shape'])} -> {tuple(summary['test']['output_shape'])}")
+        facts.append(f"{steps} steps ({shape}), training time {text(summary.get('train_time_s'), '.1f')} s of "
+                     f"{text(summary.get('wall_time_s'), '.1f')} s wall; tokens/s steady "
+                     + (text(summary.get("tokens_per_s_steady"), ",.0f") if summary.get("tokens_per_s_steady")
+                        else "—") + f", overall {text(summary.get('tokens_per_s'), ',.0f')}")
+    test = summary.get("test") or {}
+    if real(test.get("loss")) is not None:
+        facts.append(f"eval loss on a held-out batch {text(test['loss'], '.4f')}; test shape "
+                     f"{_shape(test.get('input_shape'))} -> {_shape(test.get('output_shape'))}")
     differs = collect.chapter_deviations(run, chapter_config(kind))
     comparable = not differs
     if differs:
@@ -104,8 +106,9 @@ def expert_blocks(chosen: dict[str, list[collect.Run]], out: Path) -> list[Block
                                            title=f"{kind}: tokens per expert over training")
             routing = run.summary.get("routing") or {}
             if routing:
-                blocks.append(Para(f"{kind}: {100 * routing.get('dropped_route_frac', 0):.2f} % of "
-                                   f"{routing.get('routes', 0):,} routes dropped at capacity over training."))
+                blocks.append(Para(f"{kind}: {text(100 * (real(routing.get('dropped_route_frac')) or 0), '.2f')} % of "
+                                   f"{text(routing.get('routes'), ',', missing='?')} routes dropped at capacity over "
+                                   "training."))
             if png:
                 drawn = True
                 dropped = any(m.get("dropped_route_frac") for m in run.metrics)
@@ -132,7 +135,7 @@ def comparison_blocks(chosen: dict[str, list[collect.Run]], out: Path) -> list[B
         headers = ("setting", *(r.run_id for r in runs))
         rows = [(k, *("—" if f.get(k) is None else str(f[k]) for f in flat)) for k in differing]
         for label, get in (("status", lambda r: r.status), ("backend", lambda r: r.summary.get("moe_impl", "—")),
-                           ("final loss", lambda r: _fmt(r.summary.get("loss", {}).get("last"))),
+                           ("final loss", lambda r: _fmt((r.summary.get("loss") or {}).get("last"))),
                            ("eval loss", lambda r: _fmt((r.summary.get("test") or {}).get("loss"))),
                            ("tokens/s steady", lambda r: _fmt(r.summary.get("tokens_per_s_steady"), ",.0f"))):
             rows.append((label, *(get(r) for r in runs)))
@@ -145,7 +148,11 @@ def comparison_blocks(chosen: dict[str, list[collect.Run]], out: Path) -> list[B
 
 
 def _fmt(value, spec: str = ".4f") -> str:
-    return "—" if value is None else format(value, spec)
+    return text(value, spec)
+
+
+def _shape(value) -> str:
+    return str(tuple(value)) if isinstance(value, list) else "?"
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
