@@ -61,10 +61,10 @@ class Settings:
 NO_SETTINGS = Settings()
 
 
-LABEL_PATTERN = r"[A-Za-z0-9_.+=,:@%()\[\]-]{1,64}"
+LABEL_PATTERN = r"[A-Za-z0-9_.+=,:@%()-]{1,64}"
 """What a row's label (library, model, backend, ep_mode, variant, each feature) may be: one printable word of at
-most 64 characters, without "/" (the row key's separator), so that keys, the console, file names and the report
-show it as it is."""
+most 64 characters, without "/" (the row key's separator) or a glob's "*?[]" (--row matches keys as globs), so that
+keys, the console, file names and the report show it as it is."""
 SETTING_MAX_CHARS = 200
 """A settings string's (and a note's) most characters: a row's record is a line of a table, not a document."""
 
@@ -85,7 +85,7 @@ def label_problem(what: str, value: Any) -> str:
     if problem:
         return problem
     if value in (".", "..") or not re.fullmatch(LABEL_PATTERN, value):
-        return (f"{what} {ascii(value)} must be one word of letters, digits and _.+=,:@%()[]- (no '/', no spaces), "
+        return (f"{what} {ascii(value)} must be one word of letters, digits and _.+=,:@%()- (no '/', no spaces), "
                 "at most 64 characters")
     return ""
 

@@ -3,10 +3,11 @@ torchtitan itself (0.3: `Module.parallelize(ParallelDims)`), with expert paralle
 and no EP (TP), and both (EP+TP, sequence parallel; 4 ranks), in bf16 on both sides, judged by the noise model
 (bf16.py has what a row compares and how; api.py the release differences).
 
-Backends (`parallelism.spmd_backend`): "partial_dtensor" runs here; the default "spmd_types" exchanges tokens with
-a list all_to_all of uneven sizes, which gloo refuses, and "full_dtensor" wants every input as a DTensor of its
-mesh: skip rows, each with its reason. Its undeclared import-time dependencies (spmd_types, tyro,
-docstring_parser) are the extra `torchtitan`; triton (~1 GB, import-time only here) is not installed: imports.py.
+Backends (`parallelism.spmd_backend`), every one a row: "spmd_types" (0.3's default) exchanges tokens with a list
+all_to_all of uneven sizes, which gloo refuses: its rows pad that exchange in the ranks (exchange.py, recorded in
+every such row); "partial_dtensor"; "full_dtensor" (its input a DTensor of its mesh). Its undeclared import-time
+dependencies (spmd_types, tyro, docstring_parser) are the extra `torchtitan`; triton (~1 GB, import-time only here)
+is not installed: imports.py.
 
 The package's files: __init__.py the adapter (rows, what cannot run here, the releases); api.py what a row builds
 and the release differences; imports.py importing torchtitan without triton; bf16.py the rows' judgement.
@@ -21,16 +22,15 @@ from moebench.libraries import pins
 from moebench.libraries.spec import BF16, Adapter, Row, Settings
 
 NAME = "torchtitan"
-BACKENDS = ("partial_dtensor", "full_dtensor")
+BACKENDS = ("spmd_types", "partial_dtensor", "full_dtensor")
+"""0.3's spmd backends, the default first."""
 V02_BACKEND = "dtensor"
 """0.2's rows: no spmd backend to choose; its ExpertParallel shards the experts as DTensors."""
-SKIPPED_BACKENDS = {
-    "spmd_types": ("its token exchange is a list all_to_all of uneven sizes, which gloo refuses "
-                   "(ProcessGroupGloo::alltoall: invalid tensor size)"),
-}
-"""torchtitan 0.3's other spmd backends, and why their rows cannot run here."""
-RELEASES = ("0.3.0 (pinned) passes; 0.2.2 and 0.2.0 pass their EP rows (torchtitan.models.moe; TP rows skip: its "
-            "apply_moe_ep_tp needs torchdata and tensorboard); 0.1.0 has no MoE outside experiments/llama4")
+SKIPPED_BACKENDS: dict[str, str] = {}
+"""torchtitan 0.3's spmd backends whose rows cannot run here, and why (none since spmd_types is bridged)."""
+RELEASES = ("0.3.0 (pinned) passes but its default spmd_types backend with tp > 1 (grad-left-partial); 0.2.2 and "
+            "0.2.0 pass their EP rows (torchtitan.models.moe; TP rows skip: its apply_moe_ep_tp needs torchdata and "
+            "tensorboard); 0.1.0 has no MoE outside experiments/llama4")
 """What --list says about the releases, as measured here (tests/libraries/test_torchtitan_releases.py)."""
 PRELOAD = ("moebench.libraries.torchtitan.imports", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
            "torch._dynamo", "torch._inductor.compile_fx")
@@ -97,8 +97,11 @@ class Torchtitan(Adapter):
         patch = api.V02_PATCH if api.generation() == "moe" else ""
 
         def row(model, backend, layout):
+            from moebench.libraries.torchtitan.exchange import PATCH
+
+            bridged = PATCH if backend == "spmd_types" and layout != "tp" else patch
             return Row(library=NAME, model=model, backend=backend, ep_mode=layout, world_size=world_size, kind=BF16,
-                       settings=TorchtitanSettings(triton=triton, patch=patch), features=("bf16",))
+                       settings=TorchtitanSettings(triton=triton, patch=bridged), features=("bf16",))
 
         if api.generation() == "moe":  # 0.2: no spmd backends; its EP step (its TP rows skip with the reason)
             return [row(model, V02_BACKEND, layout) for layout in ("ep", "tp") for model in api.MODELS]

@@ -212,8 +212,9 @@ def parallel_dims(backend: str, layout: str, world_size: int):
 
 def parallelize(gen: str, moe, backend: str, layout: str, world_size: int):
     """Parallelize `moe` the way torchtitan does for the layout; returns (the context its forward runs in, the TP
-    degree, how an input enters it). 0.3: `moe.parallelize(ParallelDims)` in torchtitan's spmd context (full_dtensor
-    takes its input as a DTensor, `full_dtensor.parallelize_inputs`); 0.2: the EP step of apply_moe_ep_tp."""
+    degree, how an input enters it, the ParallelDims under spmd_types else None). 0.3: `moe.parallelize(ParallelDims)`
+    in torchtitan's spmd context (full_dtensor takes its input as a DTensor, `full_dtensor.parallelize_inputs`;
+    spmd_types leaves every state a plain local tensor: `as_dtensor`); 0.2: the EP step of apply_moe_ep_tp."""
     import contextlib
 
     if gen == "moe":
@@ -223,7 +224,7 @@ def parallelize(gen: str, moe, backend: str, layout: str, world_size: int):
 
         mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
         parallelize_module(moe.experts, mesh["ep"], ExpertParallel())
-        return contextlib.nullcontext, 1, _plain
+        return contextlib.nullcontext, 1, _plain, None
     from torchtitan.distributed import utils as dist_utils
 
     dist_utils.set_spmd_backend(backend)
@@ -232,7 +233,7 @@ def parallelize(gen: str, moe, backend: str, layout: str, world_size: int):
     with context():
         moe.parallelize(dims)
     if backend != "full_dtensor":
-        return context, dims.tp, _plain
+        return context, dims.tp, _plain, dims if backend == "spmd_types" else None
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     # What the MoE's boundary takes under full_dtensor (its in_src_shardings): this rank's tokens as a DTensor of the
@@ -241,11 +242,28 @@ def parallelize(gen: str, moe, backend: str, layout: str, world_size: int):
     mesh = dims.get_activated_mesh(["dp_replicate", "dp_shard", "cp", "tp"])
     placements = [Shard(0) if axis.startswith("dp") and mesh.size(i) > 1 else Shard(1) if axis == "tp" and
                   layout == "ep+tp" else Replicate() for i, axis in enumerate(mesh.mesh_dim_names)]
-    return context, dims.tp, lambda x: DTensor.from_local(x, mesh, placements)
+    return context, dims.tp, lambda x: DTensor.from_local(x, mesh, placements), None
 
 
 def _plain(x):
     return x
+
+
+def as_dtensor(moe, name: str, tensor, dims):
+    """A state (or its gradient) of a spmd_types-parallelized module, a plain local tensor, as the DTensor its layout
+    says, through torchtitan's own `plain_tensor_to_dtensor_state_dict` (what its checkpointer does); anything else
+    (a DTensor, None, another backend's state: `dims` None) as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if dims is None or tensor is None or isinstance(tensor, DTensor):
+        return tensor
+    from torchtitan.distributed.spmd_types import plain_tensor_to_dtensor_state_dict
+
+    owner, _, leaf = name.rpartition(".")
+    module = moe.get_submodule(owner) if owner else moe
+    layout = module._sharding_config.state_shardings[leaf]
+    return plain_tensor_to_dtensor_state_dict({name: tensor}, state_dict_layouts={name: layout},
+                                              parallel_dims=dims)[name]
 
 
 class _TorchWithIntegerHistc:

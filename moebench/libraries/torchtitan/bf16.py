@@ -115,6 +115,10 @@ def _run(ctx, row: Row, opts) -> list:
     api.point_at_cpu()
     if gen == "moe":
         api.bridge_v02_cpu_gaps()
+    if row.settings.patch.startswith("spmd_types"):
+        from moebench.libraries.torchtitan.exchange import bridge
+
+        bridge()
     r, w, layout = ctx.rank, ctx.world_size, row.ep_mode
     spec = api.MODELS[row.model]
     torch.manual_seed(opts.seed)
@@ -126,7 +130,7 @@ def _run(ctx, row: Row, opts) -> list:
         y_fp32_params = moe(_batch(opts.seed, 1)[0]).float()
     base = copy.deepcopy(moe).to(torch.bfloat16)  # the same module on this process alone
     moe = moe.to(torch.bfloat16)
-    context, tp, enter = api.parallelize(gen, moe, row.backend, layout, w)
+    context, tp, enter, spmd_dims = api.parallelize(gen, moe, row.backend, layout, w)
     dp = w // tp
     d, t = divmod(r, tp)  # the mesh is [dp_shard, tp], row-major
     dp_group = _groups([[dd * tp + tt for dd in range(dp)] for tt in range(tp)], t) if dp > 1 else None
@@ -164,12 +168,14 @@ def _run(ctx, row: Row, opts) -> list:
         p, truth = run_params[name], truth_params[role].grad
         base_sums[group] += noise.sums([(base_params[name].grad, truth)])
         if group == EXPERTS:
-            missing += _experts_held(name, p, base_params[name], ExpertLayout)
-        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            missing += _experts_held(name, api.as_dtensor(moe, name, p, spmd_dims), base_params[name], ExpertLayout)
+        grad = api.as_dtensor(moe, name, p.grad, spmd_dims)
+        grad = grad.full_tensor() if isinstance(grad, DTensor) else grad
         if grad is None:
             missing.append(f"{name} (no gradient)")
             grad = torch.zeros_like(truth)
-        if group != EXPERTS and dp_group is not None and not _covers_dp(p.grad):  # what torchtitan's FSDP sums
+        # what torchtitan's FSDP sums (a spmd_types gradient is this rank's plain local share: not summed yet)
+        if group != EXPERTS and dp_group is not None and not _covers_dp(p.grad):
             grad = grad.float().clone()
             dist.all_reduce(grad, group=dp_group)
         run_sums[group] += noise.sums([(grad, truth)], 1 / w)
