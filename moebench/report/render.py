@@ -43,13 +43,35 @@ class Figure:
 Block = Heading | Para | Bullets | Table | Figure
 
 
+def clean(text) -> str:
+    """A results file's text as a document may show it: control characters (a terminal's escape sequences, a bell)
+    written out escaped, never passed through (results written by an older moebench, or by hand, may hold them)."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c in "\n\t" else ascii(c)[1:-1] for c in text)
+
+
+def _cleaned(block: Block) -> Block:
+    if isinstance(block, (Heading, Para)):
+        return dataclasses.replace(block, text=clean(block.text))
+    if isinstance(block, Bullets):
+        return Bullets(tuple(clean(i) for i in block.items))
+    if isinstance(block, Table):
+        return dataclasses.replace(block, headers=tuple(clean(h) for h in block.headers),
+                                   rows=tuple(tuple(clean(c) for c in row) for row in block.rows))
+    if isinstance(block, Figure):
+        return dataclasses.replace(block, caption=clean(block.caption))
+    return block
+
+
 def _md_cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
 def markdown(blocks: list[Block]) -> str:
     out: list[str] = []
-    for block in blocks:
+    for block in map(_cleaned, blocks):
         if isinstance(block, Heading):
             out += ["#" * block.level + " " + block.text, ""]
         elif isinstance(block, Para):
@@ -96,7 +118,7 @@ def html_document(blocks: list[Block], *, title: str, verdict_column: str = "ver
     """A self-contained page: every figure is embedded, nothing is fetched."""
     parts = [f"<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>{html.escape(title)}"
              f"</title>\n<style>{STYLE}</style>\n</head>\n<body>"]
-    for block in blocks:
+    for block in map(_cleaned, blocks):
         if isinstance(block, Heading):
             parts.append(f"<h{block.level}>{html.escape(block.text)}</h{block.level}>")
         elif isinstance(block, Para):

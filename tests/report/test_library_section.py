@@ -266,3 +266,18 @@ def test_the_parity_figure_lists_every_check(monkeypatch, tmp_path):
     texts = [t.get_text().strip() for t in ax.texts]
     assert "pass: assertions only, no tolerance" in texts and "skip: needs DeepSpeed" in texts
     figures.pyplot().close(captured["fig"])
+
+
+def test_escape_codes_in_a_results_file_never_reach_the_report(root):
+    """A library run written before labels were checked (or by hand) may hold a terminal's escape sequences in its
+    labels and diagnoses: REPORT.md and report.html show them escaped, never raw (issue 37)."""
+    _, library = _runs(root)
+    summary = json.loads((library / "summary.json").read_text())
+    summary["rows"][0]["backend"] = "\x1b[31mred\x1b[0m"
+    summary["rows"][0]["model"] = "bell\x07"
+    (library / "summary.json").write_text(json.dumps(summary))
+    result = build.build_report([], root=str(root))
+    for name in ("REPORT.md", "report.html"):
+        text = (result.path / name).read_text()
+        assert "\x1b" not in text and "\x07" not in text, name
+        assert "\\x1b[31mred\\x1b[0m" in text, name
