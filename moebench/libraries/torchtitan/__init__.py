@@ -19,7 +19,7 @@ import dataclasses
 import importlib.util
 
 from moebench.libraries import pins
-from moebench.libraries.spec import BF16, Adapter, Row, Settings
+from moebench.libraries.spec import BF16, RESUME, Adapter, Row, Settings
 
 NAME = "torchtitan"
 BACKENDS = ("spmd_types", "partial_dtensor", "full_dtensor")
@@ -46,6 +46,16 @@ class TorchtitanSettings(Settings):
     dense_grads: str = "summed over the data-parallel ranks (torchtitan's FSDP, emulated)"
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TorchtitanResumeSettings(TorchtitanSettings):
+    load_ep_mode: str
+    """The layout the checkpoint is loaded under ("ep": the saved one; "tp": TP without EP, DCP resharding)."""
+    save_steps: int
+    continue_steps: int
+    load_balance_coeff: float
+    """torchtitan's aux-loss-free load balancing: its expert bias is state the checkpoint must carry."""
+
+
 def layouts(world_size: int) -> list[str]:
     """EP and TP at every world size; EP+TP (dp_shard x tp = 2, ep = W) from 4 ranks."""
     return ["ep", "tp"] + (["ep+tp"] if world_size >= 4 and world_size % 2 == 0 else [])
@@ -61,7 +71,7 @@ class Torchtitan(Adapter):
     catches = ("a torchtitan EP / TP path whose output or gradients are farther from float32 than the same module "
                "on one process in bf16")
     preload = PRELOAD
-    runners = {BF16: "moebench.libraries.torchtitan.bf16:run"}
+    runners = {BF16: "moebench.libraries.torchtitan.bf16:run", RESUME: "moebench.libraries.torchtitan.resume:run"}
     timeout_s = 180.0
 
     def install_hint(self) -> str:
@@ -104,10 +114,17 @@ class Torchtitan(Adapter):
                        settings=TorchtitanSettings(triton=triton, patch=bridged), features=("bf16",))
 
         if api.generation() == "moe":  # 0.2: no spmd backends; its EP step (its TP rows skip with the reason)
-            return [row(model, V02_BACKEND, layout) for layout in ("ep", "tp") for model in api.MODELS]
+            return [row(model, V02_BACKEND, layout) for layout in ("ep", "tp") for model in api.MODELS] + (
+                [Row(library=NAME, model="sigmoid-grouped+shared", backend=V02_BACKEND, ep_mode="ep",
+                     world_size=world_size, kind=RESUME, features=("resume",), variant="resume",
+                     settings=TorchtitanSettings(triton=triton, patch=patch))] if resume else [])
         rows = [row(model, backend, layout) for backend in BACKENDS for layout in layouts(world_size)
                 for model in api.MODELS]
         rows += [row(next(iter(api.MODELS)), backend, "ep") for backend in SKIPPED_BACKENDS]
+        if resume:  # save -> load -> continue through torchtitan's CheckpointManager (resume.py)
+            from moebench.libraries.torchtitan.resume import resume_rows
+
+            rows += resume_rows(world_size, triton)
         return rows
 
     def skip_reason(self, row: Row) -> str | None:
@@ -118,6 +135,9 @@ def skip_reason(row: Row) -> str | None:
     """One line why this row cannot run here, or None."""
     from moebench.libraries.torchtitan import api
 
+    if row.kind == RESUME and api.generation() != "common":
+        return (f"torchtitan {api.tt_version()}: resume rows drive 0.3's Module protocol and CheckpointManager "
+                "(0.2's rows are not built)")
     if row.backend in SKIPPED_BACKENDS:
         return f"spmd_backend={row.backend}: {SKIPPED_BACKENDS[row.backend]}"
     if row.model not in api.MODELS or row.backend not in (*BACKENDS, V02_BACKEND) or row.ep_mode not in (

@@ -138,18 +138,19 @@ def score_before_experts(gen: str) -> bool:
     return gen == "moe"
 
 
-def build(gen: str, model: str, enable_ep: bool, enable_sp: bool):
+def build(gen: str, model: str, enable_ep: bool, enable_sp: bool, load_balance_coeff: float | None = None):
     """The row's MoE module in float32 with seeded weights (seed set by the caller): identical on every rank; the
-    router's redrawn at GATE_STD."""
+    router's redrawn at GATE_STD. `load_balance_coeff`: torchtitan's aux-loss-free load balancing (its expert bias,
+    updated by its optimizers' step pre-hook)."""
     import torch
 
-    moe = _build(gen, model, enable_ep, enable_sp)
+    moe = _build(gen, model, enable_ep, enable_sp, load_balance_coeff)
     with torch.no_grad():
         torch.nn.init.normal_(moe.router.gate.weight, std=GATE_STD)
     return moe
 
 
-def _build(gen: str, model: str, enable_ep: bool, enable_sp: bool):
+def _build(gen: str, model: str, enable_ep: bool, enable_sp: bool, load_balance_coeff: float | None = None):
     import torch
 
     spec = MODELS[model]
@@ -158,7 +159,7 @@ def _build(gen: str, model: str, enable_ep: bool, enable_sp: bool):
 
         args = dict(num_experts=NUM_EXPERTS, num_shared_experts=1 if spec.shared else 0, score_func=spec.score_func,
                     route_norm=spec.route_norm, route_scale=spec.route_scale, top_k=TOP_K, use_grouped_mm=True,
-                    load_balance_coeff=None)
+                    load_balance_coeff=load_balance_coeff)
         if spec.groups:  # node-limited routing arrived in 0.2.1 (v02_lacks says which rows skip without it)
             args.update(num_expert_groups=spec.groups, num_limited_groups=spec.limited_groups)
         moe = MoE(MoEArgs(**args), dim=HIDDEN, hidden_dim=EXPERT_HIDDEN)
@@ -188,7 +189,7 @@ def _build(gen: str, model: str, enable_ep: bool, enable_sp: bool):
     shared = (make_ffn_config(dim=HIDDEN, hidden_dim=EXPERT_HIDDEN, w1_param_init={"weight": init},
                               w2w3_param_init={"weight": init}) if spec.shared else None)
     cfg = make_moe_config(num_experts=NUM_EXPERTS, router=router, routed_experts=routed, shared_experts=shared,
-                          load_balance_coeff=None)
+                          load_balance_coeff=load_balance_coeff)
     # The experts' TP layout torchtitan's qwen3 / deepseek_v3 pass (moe_sharding.set_moe_sharding_config's docstring).
     set_moe_sharding_config(cfg, enable_ep=enable_ep, enable_sp=enable_sp,
                             expert_param_layout={"w1_EFD": spmd.S(1), "w2_EDF": spmd.S(2), "w3_EFD": spmd.S(1)})
@@ -212,7 +213,7 @@ def parallel_dims(backend: str, layout: str, world_size: int):
 
 def parallelize(gen: str, moe, backend: str, layout: str, world_size: int):
     """Parallelize `moe` the way torchtitan does for the layout; returns (the context its forward runs in, the TP
-    degree, how an input enters it, the ParallelDims under spmd_types else None). 0.3: `moe.parallelize(ParallelDims)`
+    degree, how an input enters it, its ParallelDims (None for 0.2)). 0.3: `moe.parallelize(ParallelDims)`
     in torchtitan's spmd context (full_dtensor takes its input as a DTensor, `full_dtensor.parallelize_inputs`;
     spmd_types leaves every state a plain local tensor: `as_dtensor`); 0.2: the EP step of apply_moe_ep_tp."""
     import contextlib
@@ -233,7 +234,7 @@ def parallelize(gen: str, moe, backend: str, layout: str, world_size: int):
     with context():
         moe.parallelize(dims)
     if backend != "full_dtensor":
-        return context, dims.tp, _plain, dims if backend == "spmd_types" else None
+        return context, dims.tp, _plain, dims
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     # What the MoE's boundary takes under full_dtensor (its in_src_shardings): this rank's tokens as a DTensor of the
@@ -242,7 +243,7 @@ def parallelize(gen: str, moe, backend: str, layout: str, world_size: int):
     mesh = dims.get_activated_mesh(["dp_replicate", "dp_shard", "cp", "tp"])
     placements = [Shard(0) if axis.startswith("dp") and mesh.size(i) > 1 else Shard(1) if axis == "tp" and
                   layout == "ep+tp" else Replicate() for i, axis in enumerate(mesh.mesh_dim_names)]
-    return context, dims.tp, lambda x: DTensor.from_local(x, mesh, placements), None
+    return context, dims.tp, lambda x: DTensor.from_local(x, mesh, placements), dims
 
 
 def _plain(x):
@@ -251,11 +252,11 @@ def _plain(x):
 
 def as_dtensor(moe, name: str, tensor, dims):
     """A state (or its gradient) of a spmd_types-parallelized module, a plain local tensor, as the DTensor its layout
-    says, through torchtitan's own `plain_tensor_to_dtensor_state_dict` (what its checkpointer does); anything else
-    (a DTensor, None, another backend's state: `dims` None) as it is."""
+    says, through torchtitan's own `plain_tensor_to_dtensor_state_dict`; anything else (a DTensor, None, a state of
+    another backend's module or of 0.2's) as it is."""
     from torch.distributed.tensor import DTensor
 
-    if dims is None or tensor is None or isinstance(tensor, DTensor):
+    if dims is None or dims.spmd_backend != "spmd_types" or tensor is None or isinstance(tensor, DTensor):
         return tensor
     from torchtitan.distributed.spmd_types import plain_tensor_to_dtensor_state_dict
 

@@ -130,7 +130,7 @@ def _run(ctx, row: Row, opts) -> list:
         y_fp32_params = moe(_batch(opts.seed, 1)[0]).float()
     base = copy.deepcopy(moe).to(torch.bfloat16)  # the same module on this process alone
     moe = moe.to(torch.bfloat16)
-    context, tp, enter, spmd_dims = api.parallelize(gen, moe, row.backend, layout, w)
+    context, tp, enter, dims = api.parallelize(gen, moe, row.backend, layout, w)
     dp = w // tp
     d, t = divmod(r, tp)  # the mesh is [dp_shard, tp], row-major
     dp_group = _groups([[dd * tp + tt for dd in range(dp)] for tt in range(tp)], t) if dp > 1 else None
@@ -168,14 +168,14 @@ def _run(ctx, row: Row, opts) -> list:
         p, truth = run_params[name], truth_params[role].grad
         base_sums[group] += noise.sums([(base_params[name].grad, truth)])
         if group == EXPERTS:
-            missing += _experts_held(name, api.as_dtensor(moe, name, p, spmd_dims), base_params[name], ExpertLayout)
-        grad = api.as_dtensor(moe, name, p.grad, spmd_dims)
+            missing += _experts_held(name, api.as_dtensor(moe, name, p, dims), base_params[name], ExpertLayout)
+        grad = api.as_dtensor(moe, name, p.grad, dims)
         grad = grad.full_tensor() if isinstance(grad, DTensor) else grad
         if grad is None:
             missing.append(f"{name} (no gradient)")
             grad = torch.zeros_like(truth)
         # what torchtitan's FSDP sums (a spmd_types gradient is this rank's plain local share: not summed yet)
-        if group != EXPERTS and dp_group is not None and not _covers_dp(p.grad):
+        if group != EXPERTS and dp_group is not None and not covers_dp(p.grad):
             grad = grad.float().clone()
             dist.all_reduce(grad, group=dp_group)
         run_sums[group] += noise.sums([(grad, truth)], 1 / w)
@@ -211,7 +211,7 @@ def _run(ctx, row: Row, opts) -> list:
     return out
 
 
-def _covers_dp(grad) -> bool:
+def covers_dp(grad) -> bool:
     """True for a gradient that is a DTensor over a data-parallel axis (full_dtensor): already summed over it."""
     from torch.distributed.tensor import DTensor
 

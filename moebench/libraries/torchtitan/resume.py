@@ -1,0 +1,270 @@
+"""A torchtitan resume row, on every rank: its MoE (DeepSeek-V3's router: sigmoid, grouped top-k, a shared expert,
+and aux-loss-free load balancing, its expert bias updated by the optimizers' step pre-hook torchtitan registers)
+trained through torchtitan's own optimizers container, saved and loaded by torchtitan's own `CheckpointManager` over
+DCP, as its trainer calls them (`checkpointer.save(step)`, `checkpointer.load(step)`).
+
+1. Module A, parallelized over the save layout (EP over every rank), trains SAVE_STEPS steps (torchtitan's
+   `OptimizersContainer`, Adam; `register_moe_load_balancing_hook`); every rank must hold the same expert bias
+   after every step. A's state (weights, Adam's exp_avg / exp_avg_sq, the expert bias) is kept, read as whole tensors
+   through the parallelization (a spmd_types state through torchtitan's `plain_tensor_to_dtensor_state_dict`).
+2. `CheckpointManager.save(SAVE_STEPS)` into a folder under moebench's temporary root; A trains on: the run that
+   never stopped.
+3. Module B, built from another seed and parallelized over the load layout (the same, or TP without EP: DCP's
+   resharding), `CheckpointManager.load(SAVE_STEPS)`. Right after the load every expert slot of every rank is
+   matched against every global expert's weights and moments, and every rank's expert bias against A's
+   (moebench.parity.restore): a slot holding another expert's state is named slot by slot.
+4. Same layout: B trains on CONTINUE_STEPS steps on the same batches, bit for bit with A at every step.
+Gradient convention as the bf16 rows (bf16.py): a rank's loss is the sum over its tokens / the global token count;
+the dense parameters' gradients summed over the data-parallel ranks (torchtitan's FSDP, emulated).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moebench.libraries.spec import Row
+from moebench.libraries.torchtitan import api
+
+SAVE_STEPS = 2
+CONTINUE_STEPS = 2
+LR = 1e-2
+LOAD_BALANCE_COEFF = 1e-2
+"""Large enough that the bias moves visibly in two steps (the sign update adds +-coeff per step)."""
+FRESH_SEED_OFFSET = 7919
+BIAS = "expert_bias_E"
+
+
+def _model(moe):
+    """torchtitan's model shape around the MoE (`layers` of blocks with `moe_enabled` and `.moe`): what its load
+    balancing hook walks."""
+    import torch.nn as nn
+
+    class Block(nn.Module):
+        moe_enabled = True
+
+        def __init__(self, moe) -> None:
+            super().__init__()
+            self.moe = moe
+
+    class Model(nn.Module):
+        def __init__(self, moe) -> None:
+            super().__init__()
+            self.layers = nn.ModuleDict({"0": Block(moe)})
+
+    return Model(moe)
+
+
+def _make(gen: str, row: Row, layout: str, seed: int, world: int):
+    """(model, moe, optimizers, forward context, input entry, ParallelDims) of one side."""
+    import torch
+    from torchtitan.components.optimizer.optimizer import (
+        OptimizersContainer,
+        ParamGroupConfig,
+        register_moe_load_balancing_hook,
+    )
+
+    torch.manual_seed(seed)
+    moe = api.build(gen, row.model, enable_ep=layout != "tp", enable_sp=layout == "ep+tp",
+                    load_balance_coeff=LOAD_BALANCE_COEFF)
+    context, _, enter, dims = api.parallelize(gen, moe, row.backend, layout, world)
+    model = _model(moe)
+    config = OptimizersContainer.Config(param_groups=[ParamGroupConfig(
+        pattern=".*", optimizer_name="Adam", optimizer_kwargs={"lr": LR})], implementation="for-loop")
+    optimizers = OptimizersContainer(config, model_parts=[model])
+    register_moe_load_balancing_hook(optimizers, [model], dims)
+    return model, moe, optimizers, context, enter, dims
+
+
+def _checkpointer(folder: str, model, optimizers):
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    config = CheckpointManager.Config(enable=True, folder="checkpoint", interval=1, initial_load_model_only=False,
+                                      exclude_from_loading=["dataloader", "lr_scheduler"])
+    return CheckpointManager(config, dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=None,
+                             states={}, sd_adapter=None, base_folder=folder)
+
+
+def _batch(seed: int, step: int, world: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    shape = (world * api.SEQS_PER_DP_RANK, api.SEQ_LEN, api.HIDDEN)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+
+
+def _train(side, step: int, seed: int, rank: int, world: int) -> None:
+    """One step of one side on this rank's sequences (EP: each rank its own)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from moebench.libraries.torchtitan.bf16 import covers_dp
+
+    model, moe, optimizers, context, enter, _ = side
+    x_all, t_all = _batch(seed, step, world)
+    mine = slice(rank * api.SEQS_PER_DP_RANK, (rank + 1) * api.SEQS_PER_DP_RANK)
+    tokens = x_all.shape[0] * x_all.shape[1]
+    with context():
+        y = moe(enter(x_all[mine].clone()))
+        y = y.to_local() if isinstance(y, DTensor) else y
+        ((y.float() * t_all[mine]).sum() / tokens).backward()
+    for name, p in moe.named_parameters():  # what torchtitan's FSDP sums over the data-parallel ranks
+        if "inner_experts" not in name and p.grad is not None and not covers_dp(p.grad):
+            dist.all_reduce(p.grad)
+    optimizers.step()
+    optimizers.zero_grad()
+
+
+def _whole(moe, name: str, t, dims):
+    from torch.distributed.tensor import DTensor
+
+    t = api.as_dtensor(moe, name, t, dims)
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _state(side) -> dict[str, dict[str, Any]]:
+    """{"weights": {name: whole tensor}, "exp_avg": ..., "exp_avg_sq": ..., "bias": {BIAS: whole tensor}}."""
+    _, moe, optimizers, _, _, dims = side
+    out: dict[str, dict[str, Any]] = {"weights": {}, "exp_avg": {}, "exp_avg_sq": {}, "bias": {}}
+    for name, p in moe.named_parameters():
+        out["weights"][name] = _whole(moe, name, p, dims)
+        state = next((o.state[p] for o in optimizers.optimizers if p in o.state), {})
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in state:
+                out[key][name] = _whole(moe, name, state[key], dims)
+    out["bias"][BIAS] = _whole(moe, BIAS, getattr(moe, BIAS), dims)
+    return out
+
+
+def _findings(side, saved: dict, fresh: dict, rank: int, world: int, layout: str) -> list:
+    """(comparison name, Finding) for every slot this rank holds: its weights and moments matched against every
+    global expert's at the save, the dense parameters' and the expert bias against their own."""
+    from moebench.parity import restore
+    from moebench.parity.layout import ExpertLayout
+
+    quantities = {"weights": restore.WEIGHTS, "exp_avg": restore.EXP_AVG, "exp_avg_sq": restore.EXP_AVG_SQ}
+    now = _state(side)
+    out = []
+    held = (ExpertLayout(api.NUM_EXPERTS, world).experts_of(rank) if layout != "tp"
+            else (range(api.NUM_EXPERTS) if rank == 0 else []))  # TP: every rank holds every expert, in pieces
+    for key, quantity in quantities.items():
+        for name, got in now[key].items():
+            if "inner_experts" in name:
+                want = {e: saved[key][name][e] for e in range(api.NUM_EXPERTS)}
+                for slot, e in enumerate(held):
+                    where = restore.Slot(rank=rank, local=slot if layout != "tp" else e, unit=e)
+                    f = restore.identify(where, quantity, got[e], want,
+                                         fresh=fresh[key][name][e] if key == "weights" else None)
+                    out.append((f"after the load: {name} [expert {e}] {key}", f))
+            elif name in saved[key]:
+                where = restore.Slot(rank=rank, local=None, unit=name)
+                out.append((f"after the load: {name} {key}", restore.identify(
+                    where, quantity, got, {name: saved[key][name]},
+                    fresh=fresh[key].get(name) if key == "weights" else None)))
+    where = restore.Slot(rank=rank, local=None, unit=BIAS)
+    out.append(("after the load: the expert bias", restore.identify(where, restore.WEIGHTS, now["bias"][BIAS],
+                                                                   {BIAS: saved["bias"][BIAS]})))
+    return out
+
+
+def _biases_agree(side, rank: int, tag: str):
+    """Every rank holds the same expert bias (its update must be the same on every rank before any save)."""
+    import torch
+    import torch.distributed as dist
+
+    from moebench.parity.compare import assertion
+    from moebench.parity.diagnosis import ROUTER
+
+    _, moe, _, _, _, dims = side
+    mine = _whole(moe, BIAS, getattr(moe, BIAS), dims)
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    differ = [r for r, b in enumerate(every) if not torch.equal(b, every[0])]
+    return assertion(f"{tag}: every rank holds the same expert bias", not differ, rank=rank, group=ROUTER,
+                     note=f"ranks {differ} hold another bias than rank 0's" if differ else "")
+
+
+def run(ctx, row: Row, opts) -> list:
+    """The row on this rank (warnings as the bf16 rows keep them off the console)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="In CPU autocast")
+        warnings.filterwarnings("ignore", message=".*torch.distributed.*deprecated")
+        warnings.filterwarnings("ignore", message="To construct DTensor from torch.Tensor")
+        return _run(ctx, row, opts)
+
+
+def _run(ctx, row: Row, opts) -> list:
+    import logging
+
+    import torch
+
+    from moebench.libraries.resume import restore_comparisons, shared_dir
+    from moebench.parity.compare import EXACT, compare
+    from moebench.parity.diagnosis import EXPERTS, REPLICATED, ROUTER
+
+    for name in ("torchtitan", "torch.distributed.checkpoint"):  # the checkpointer's info lines
+        logging.getLogger(name).setLevel(logging.WARNING)
+    gen = api.load()
+    api.point_at_cpu()
+    if row.settings.patch.startswith("spmd_types"):
+        from moebench.libraries.torchtitan.exchange import bridge
+
+        bridge()
+    r, w = ctx.rank, ctx.world_size
+    s = row.settings
+    out: list = []
+    a = _make(gen, row, "ep", opts.seed, w)
+    for step in range(SAVE_STEPS):
+        _train(a, step, opts.seed, r, w)
+        out.append(_biases_agree(a, r, f"step {step + 1}"))
+    saved = _state(a)
+    with shared_dir("torchtitan-resume") as folder:
+        _checkpointer(str(folder), a[0], a[2]).save(curr_step=SAVE_STEPS)
+        torch.distributed.barrier()
+        b = _make(gen, row, s.load_ep_mode, opts.seed + FRESH_SEED_OFFSET, w)
+        fresh = _state(b)
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: every rank's errors
+
+        try:
+            _checkpointer(str(folder), b[0], b[2]).load(step=SAVE_STEPS)
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - the load refused is the row's verdict
+            from moebench.parity.registry import Refused
+
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            said = next((line for line in lines if line.startswith(("ValueError", "RuntimeError", "KeyError"))),
+                        lines[0] if lines else type(exc).__name__)
+            raise Refused(f"CheckpointManager.load refused it: {said[:300]}") from None
+    out += restore_comparisons(_findings(b, saved, fresh, r, w, s.load_ep_mode), r)
+    if s.load_ep_mode != "ep":
+        return out  # another layout: its reductions differ; what it restored is what is asked of it
+    for step in range(SAVE_STEPS, SAVE_STEPS + CONTINUE_STEPS):
+        _train(a, step, opts.seed, r, w)
+        _train(b, step, opts.seed, r, w)
+        kept, resumed = _state(a), _state(b)
+        for name, t in resumed["weights"].items():
+            group = EXPERTS if "inner_experts" in name else ROUTER if "router" in name else REPLICATED
+            out.append(compare(f"step {step + 1} (resumed): {name} vs the run that never stopped", t,
+                               kept["weights"][name], EXACT, rank=r, group=group))
+        out.append(compare(f"step {step + 1} (resumed): the expert bias vs the run that never stopped",
+                           resumed["bias"][BIAS], kept["bias"][BIAS], EXACT, rank=r, group=ROUTER))
+    return out
+
+
+def resume_rows(world_size: int, triton: str) -> list[Row]:
+    """Every backend at the same layout (EP over every rank) and loaded under TP (no EP: DCP reshards)."""
+    from moebench.libraries.spec import RESUME
+    from moebench.libraries.torchtitan import BACKENDS, NAME, TorchtitanResumeSettings
+    from moebench.libraries.torchtitan.exchange import PATCH
+
+    rows = []
+    for backend in BACKENDS:
+        for load in ("ep", "tp"):
+            patch = PATCH if backend == "spmd_types" else ""
+            settings = TorchtitanResumeSettings(triton=triton, patch=patch, load_ep_mode=load, save_steps=SAVE_STEPS,
+                                                continue_steps=CONTINUE_STEPS if load == "ep" else 0,
+                                                load_balance_coeff=LOAD_BALANCE_COEFF)
+            rows.append(Row(library=NAME, model="sigmoid-grouped+shared", backend=backend, ep_mode="ep",
+                            world_size=world_size, kind=RESUME, settings=settings,
+                            features=("resume",), variant="resume" if load == "ep" else f"resume-to-{load}"))
+    return rows

@@ -1,0 +1,142 @@
+"""torchtitan's resume rows (issue 40): its MoE trained through its own OptimizersContainer (with its load-balancing
+hook), saved and loaded by its own CheckpointManager over DCP, every slot matched against every global expert
+right after the load, then continued bit for bit with the run that never stopped (moebench/libraries/torchtitan/
+resume.py). The default backend's finding (spmd_types hands DCP the experts as plain local tensors: one rank's copy of
+each is saved) is asserted; known-wrong checkpoints (experts swapped, an Adam moment from another expert, ranks whose
+expert biases disagree, an optimizer step count dropped) are fed to the slot matcher and the uninterrupted reference
+by patching torchtitan's own objects in this process (the ranks fork from it)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+INSTALLED = importlib.util.find_spec("torchtitan") is not None and all(
+    importlib.util.find_spec(m) is not None for m in ("spmd_types", "tyro", "docstring_parser"))
+pytestmark = [pytest.mark.multirank,
+              pytest.mark.skipif(not INSTALLED, reason="torchtitan is not installed (pip install "
+                                 "'moebench[torchtitan]' && pip install --no-deps torchtitan==0.3.0)")]
+W1 = "routed_experts.inner_experts.w1_EFD"
+
+
+def _rows(pattern: str, world_size: int = 2, seed: int = 0):
+    from moebench.libraries.torchtitan import ADAPTER
+    from moebench.testing import run_rows
+
+    return run_rows(ADAPTER, world_size=world_size, rows=[pattern], resume=True, seed=seed)
+
+
+def test_the_dtensor_backends_restore_every_slot_at_the_same_layout_and_under_tp():
+    records = _rows("*/partial_dtensor/ep/w2/resume*")
+    assert [(r["check"].rsplit("/", 1)[1], r["verdict"]) for r in records] == [("resume", "pass"),
+                                                                              ("resume-to-tp", "pass")], records
+
+
+def test_the_default_backend_saves_one_ranks_copy_of_every_expert_tensor():
+    """spmd_types leaves the experts plain local tensors, the same key on every rank: DCP keeps one copy (as for a
+    replicated tensor, pytorch/pytorch#120356), so after the load every rank's slots hold one rank's experts; loading
+    under TP, DCP refuses the shapes it recorded."""
+    same, to_tp = _rows("*/spmd_types/ep/w2/resume*")
+    assert (same["verdict"], same["diagnosis_name"]) == ("fail", "permutation"), same
+    assert "local slot 0 holds global expert" in same["diagnosis"] and "it should hold expert" in same["diagnosis"]
+    assert to_tp["verdict"] == "refused" and "Size mismatch between saved torch.Size([4, 32, 32])" in \
+        to_tp["diagnosis"], to_tp
+
+
+def _swap_experts_in_saved(monkeypatch, where: str, key_part: str):
+    """The checkpoint (what `where`.state_dict hands DCP) with local slots 0 and 1 of every tensor whose key holds
+    `key_part` swapped; the live state is untouched."""
+    from torch.distributed.tensor import DTensor
+
+    from moebench.libraries.torchtitan import api
+
+    api.load()
+    from torchtitan.components.checkpointer import base
+    from torchtitan.components.optimizer import optimizer
+
+    owner = base.ModelWrapper if where == "model" else optimizer.OptimizersContainer
+    original = owner.state_dict
+
+    def swapped(self):
+        sd = dict(original(self))
+        for key, t in sd.items():
+            if key.endswith(key_part) and hasattr(t, "shape") and len(t.shape) == 3:
+                local = t.to_local() if isinstance(t, DTensor) else t
+                moved = local.clone()
+                moved[[0, 1]] = local[[1, 0]]
+                sd[key] = DTensor.from_local(moved, t.device_mesh, t.placements) if isinstance(t, DTensor) else moved
+        return sd
+
+    monkeypatch.setattr(owner, "state_dict", swapped)
+
+
+@pytest.mark.faults
+def test_a_checkpoint_with_two_experts_swapped_is_named_slot_by_slot(monkeypatch):
+    _swap_experts_in_saved(monkeypatch, "model", W1)
+    (record,) = _rows("*/partial_dtensor/ep/w2/resume")
+    assert (record["verdict"], record["diagnosis_name"]) == ("fail", "permutation"), record
+    assert "rank 0, local slot 0 holds global expert 1's weights; it should hold expert 0" in record["diagnosis"]
+
+
+@pytest.mark.faults
+def test_an_adam_moment_from_another_expert_is_named(monkeypatch):
+    _swap_experts_in_saved(monkeypatch, "optimizer", W1 + ".exp_avg")
+    (record,) = _rows("*/partial_dtensor/ep/w2/resume")
+    # the weights are right; a slot holding another expert's moment is a permutation (named before split-restore)
+    assert (record["verdict"], record["diagnosis_name"]) == ("fail", "permutation"), record
+    assert "rank 0, local slot 0 holds global expert 1's exp_avg; it should hold expert 0" in record["diagnosis"]
+
+
+@pytest.mark.faults
+def test_ranks_whose_expert_biases_disagree_before_the_save_are_named(monkeypatch):
+    """The load-balancing update computed from this rank's tokens alone (its token counts never all-reduced)."""
+    import torch.distributed as dist
+
+    from moebench.libraries.torchtitan import api
+
+    api.load()
+    from torchtitan.components.optimizer import optimizer
+
+    real = dist.all_reduce
+
+    def counts_kept_local(tensor, *args, **kwargs):
+        if tensor.dim() == 2 and tensor.shape[-1] == api.NUM_EXPERTS:  # the stacked per-layer token counts
+            return None
+        return real(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(optimizer.torch.distributed, "all_reduce", counts_kept_local)
+    (record,) = _rows("*/partial_dtensor/ep/w2/resume")
+    assert record["verdict"] == "fail", record
+    assert "every rank holds the same expert bias" in record["diagnosis"], record["diagnosis"]
+
+
+@pytest.mark.faults
+def test_a_checkpoint_without_the_optimizers_step_count_fails_the_continuation(monkeypatch):
+    """The moments are restored, the step count is not: the slot matcher's state is right, Adam's bias correction is
+    not, and the run that never stopped tells them apart from the first resumed step."""
+    from moebench.libraries.torchtitan import api
+
+    api.load()
+    from torchtitan.components.optimizer import optimizer
+
+    original = optimizer.OptimizersContainer.state_dict
+
+    def no_steps(self):
+        sd = dict(original(self))
+        for key in [k for k in sd if k.endswith(".step")]:
+            sd[key] = sd[key] * 0
+        return sd
+
+    monkeypatch.setattr(optimizer.OptimizersContainer, "state_dict", no_steps)
+    (record,) = _rows("*/partial_dtensor/ep/w2/resume")
+    assert record["verdict"] == "fail", record
+    assert "(resumed)" in record["diagnosis"] and "vs the run that never stopped" in record["diagnosis"], record
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("seed", [1, 2, 3, 4, 5])
+def test_no_false_alarms_over_seeds(world_size, seed):
+    records = _rows(f"*/*dtensor/ep/w{world_size}/resume*", world_size, seed)
+    assert len(records) == 4 and {r["verdict"] for r in records} == {"pass"}, records
