@@ -36,6 +36,15 @@ def shared_dir(label: str) -> Iterator[Path]:
             shutil.rmtree(folder, ignore_errors=True)
 
 
+def refusal(exc: BaseException) -> str:
+    """The one line a refused checkpoint load says: a framework's or DCP's own error (DCP's CheckpointException carries
+    every rank's traceback: its first error line is the cause), else the exception's first line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    said = next((line for line in lines if line.split(":", 1)[0].endswith(("Error", "Exception"))
+                 and not line.startswith("CheckpointException")), None)
+    return (said or f"{type(exc).__name__}: {lines[0] if lines else ''}")[:300]
+
+
 def restore_comparisons(findings: list[tuple[str, restore.Finding]], rank: int) -> list[Comparison]:
     """This rank's (comparison name, Finding) pairs -> comparisons. A collective: every rank's findings are
     gathered so the diagnosis names every wrong slot with its global expert, on every rank."""

@@ -21,7 +21,7 @@ import os
 
 from moebench.libraries import pins
 from moebench.libraries.automodel import api
-from moebench.libraries.spec import PARITY, Adapter, Row, Settings
+from moebench.libraries.spec import PARITY, RESUME, Adapter, Row, Settings
 
 NAME = "automodel"
 EP_MODE = "apply_ep"
@@ -55,6 +55,15 @@ class AutomodelSettings(Settings):
     """How the library's torch.compile'd functions run in the ranks."""
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AutomodelResumeSettings(Settings):
+    save_steps: int
+    continue_steps: int
+    dense_grads: str = "averaged over the ranks by apply_fsdp (FSDP2), as the recipes parallelize"
+    checkpoint: str = "Checkpointer.save_model / save_optimizer / load_model / load_optimizer, torch_save (DCP)"
+    torch_compile: str = api.TORCH_COMPILE
+
+
 def settings(model: str, clip: bool) -> AutomodelSettings:
     return AutomodelSettings(max_grad_norm=CLIP[model] if clip else None,
                              patch=api.QWEN3_PATCH if model == "qwen3_moe" else "")
@@ -70,7 +79,7 @@ class Automodel(Adapter):
     catches = ("an Automodel EP path (its all-gather, its gradient scaling or its clip norm) whose outputs, "
                "gradients or weights differ from one process")
     preload = PRELOAD
-    runners = {PARITY: "moebench.libraries.automodel.parity:run"}
+    runners = {PARITY: "moebench.libraries.automodel.parity:run", RESUME: "moebench.libraries.automodel.resume:run"}
     timeout_s = 180.0
 
     def install_hint(self) -> str:
@@ -104,6 +113,13 @@ class Automodel(Adapter):
         rows = [row(model, backend, clip) for model in api.MODELS for clip in (False, True)
                 for backend in api.BACKENDS]
         rows += [row("block", backend) for backend in api.CUDA_BACKENDS]
+        if resume:  # save -> load -> continue through Automodel's own Checkpointer (resume.py)
+            from moebench.libraries.automodel.resume import CONTINUE_STEPS, SAVE_STEPS
+
+            rows += [Row(library=NAME, model="deepseek_v3", backend=backend, ep_mode="apply_ep+fsdp",
+                         world_size=world_size, kind=RESUME, features=("resume",), variant="resume",
+                         settings=AutomodelResumeSettings(save_steps=SAVE_STEPS, continue_steps=CONTINUE_STEPS))
+                     for backend in api.BACKENDS]
         return rows
 
     def skip_reason(self, row: Row) -> str | None:

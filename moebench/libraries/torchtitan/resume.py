@@ -199,7 +199,7 @@ def _run(ctx, row: Row, opts) -> list:
 
     import torch
 
-    from moebench.libraries.resume import restore_comparisons, shared_dir
+    from moebench.libraries.resume import refusal, restore_comparisons, shared_dir
     from moebench.parity.compare import EXACT, compare
     from moebench.parity.diagnosis import EXPERTS, REPLICATED, ROUTER
 
@@ -231,10 +231,7 @@ def _run(ctx, row: Row, opts) -> list:
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - the load refused is the row's verdict
             from moebench.parity.registry import Refused
 
-            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-            said = next((line for line in lines if line.startswith(("ValueError", "RuntimeError", "KeyError"))),
-                        lines[0] if lines else type(exc).__name__)
-            raise Refused(f"CheckpointManager.load refused it: {said[:300]}") from None
+            raise Refused(f"CheckpointManager.load refused it: {refusal(exc)}") from None
     out += restore_comparisons(_findings(b, saved, fresh, r, w, s.load_ep_mode), r)
     if s.load_ep_mode != "ep":
         return out  # another layout: its reductions differ; what it restored is what is asked of it
