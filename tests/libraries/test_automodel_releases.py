@@ -81,5 +81,5 @@ def test_0_5_0_refuses_to_resume_the_gate_it_never_trained(tmp_path):
     differentiable from 0.6, NVIDIA-NeMo/Automodel#2995)."""
     summary = _resume("0.5.0", tmp_path)
     assert [(r["backend"], r["verdict"]) for r in summary["rows"]] == [("torch", "refused"), ("torch_mm", "refused")]
-    assert all("Missing key in checkpoint state_dict: optim.state.model.layers.0.mlp.gate.weight.step" in r["diagnosis"]
-               for r in summary["rows"]), summary["rows"]
+    missing = "Missing key in checkpoint state_dict: optim.state.model.layers.0.mlp.gate.weight.step"
+    assert all(missing in r["diagnosis"] for r in summary["rows"]), summary["rows"]

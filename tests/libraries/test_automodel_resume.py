@@ -33,9 +33,8 @@ def test_the_pinned_release_restores_every_slot_and_continues_bit_for_bit():
 def _swap_in_saved(monkeypatch, wrapper: str, key_end: str):
     """What Automodel's `wrapper` (ModelState / OptimizerState) hands DCP, with local slots 0 and 1 of every tensor
     whose key ends with `key_end` swapped (a copy: the live state is untouched)."""
-    from torch.distributed.tensor import DTensor
-
     from nemo_automodel.components.checkpoint import stateful_wrappers
+    from torch.distributed.tensor import DTensor
 
     owner = getattr(stateful_wrappers, wrapper)
     original = owner.state_dict
