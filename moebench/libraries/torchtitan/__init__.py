@@ -122,13 +122,29 @@ class Torchtitan(Adapter):
                 for model in api.MODELS]
         rows += [row(next(iter(api.MODELS)), backend, "ep") for backend in SKIPPED_BACKENDS]
         if resume:  # save -> load -> continue through torchtitan's CheckpointManager (resume.py)
-            from moebench.libraries.torchtitan.resume import resume_rows
-
             rows += resume_rows(world_size, triton)
         return rows
 
     def skip_reason(self, row: Row) -> str | None:
         return skip_reason(row)
+
+
+def resume_rows(world_size: int, triton: str) -> list[Row]:
+    """Every backend at the same layout (EP over every rank) and loaded under TP (no EP: DCP reshards)."""
+    from moebench.libraries.torchtitan.exchange import PATCH
+    from moebench.libraries.torchtitan.resume import CONTINUE_STEPS, LOAD_BALANCE_COEFF, SAVE_STEPS
+
+    rows = []
+    for backend in BACKENDS:
+        for load in ("ep", "tp"):
+            settings = TorchtitanResumeSettings(
+                triton=triton, patch=PATCH if backend == "spmd_types" else "", load_ep_mode=load,
+                save_steps=SAVE_STEPS, continue_steps=CONTINUE_STEPS if load == "ep" else 0,
+                load_balance_coeff=LOAD_BALANCE_COEFF)
+            rows.append(Row(library=NAME, model="sigmoid-grouped+shared", backend=backend, ep_mode="ep",
+                            world_size=world_size, kind=RESUME, settings=settings, features=("resume",),
+                            variant="resume" if load == "ep" else f"resume-to-{load}"))
+    return rows
 
 
 def skip_reason(row: Row) -> str | None:

@@ -246,22 +246,3 @@ def _run(ctx, row: Row, opts) -> list:
         out.append(compare(f"step {step + 1} (resumed): the expert bias vs the run that never stopped",
                            resumed["bias"][BIAS], kept["bias"][BIAS], EXACT, rank=r, group=ROUTER))
     return out
-
-
-def resume_rows(world_size: int, triton: str) -> list[Row]:
-    """Every backend at the same layout (EP over every rank) and loaded under TP (no EP: DCP reshards)."""
-    from moebench.libraries.spec import RESUME
-    from moebench.libraries.torchtitan import BACKENDS, NAME, TorchtitanResumeSettings
-    from moebench.libraries.torchtitan.exchange import PATCH
-
-    rows = []
-    for backend in BACKENDS:
-        for load in ("ep", "tp"):
-            patch = PATCH if backend == "spmd_types" else ""
-            settings = TorchtitanResumeSettings(triton=triton, patch=patch, load_ep_mode=load, save_steps=SAVE_STEPS,
-                                                continue_steps=CONTINUE_STEPS if load == "ep" else 0,
-                                                load_balance_coeff=LOAD_BALANCE_COEFF)
-            rows.append(Row(library=NAME, model="sigmoid-grouped+shared", backend=backend, ep_mode="ep",
-                            world_size=world_size, kind=RESUME, settings=settings,
-                            features=("resume",), variant="resume" if load == "ep" else f"resume-to-{load}"))
-    return rows
