@@ -50,7 +50,7 @@ $(STAMP): pyproject.toml Makefile $(CONSTRAINTS) moebench/frameworks.txt
 	@case "$(TORCH_SPEC)" in *==*|*@*|*.whl) ;; *) echo "TORCH_SPEC must pin torch (torch==X.Y.Z, torch @ URL or a .whl), got '$(TORCH_SPEC)'"; exit 2;; esac
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e '.[test,fast,fairscale,transformers,autoep,automodel,torchtitan]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+	$(BIN)/pip install --quiet -e '.[test,fast,fairscale,transformers,autoep,automodel,torchtitan,megatron]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	$(BIN)/pip install --quiet --no-deps -r moebench/frameworks.txt $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	@rm -f $(VENV)/.moebench-installed-*
 	@touch $(STAMP)

@@ -98,6 +98,19 @@ REFUSED = "refused"
 """The library refused what the row asked (a checkpoint load): its message."""
 RESTORE_NAMES = (NOT_RESTORED, PERMUTATION, SPLIT_RESTORE, RESTORE_UNEXPLAINED)
 
+# ---- Megatron-core's gradient finalisation and optimizer (libraries/megatron)
+AUX_LOSS_SCALE = "aux-loss-scale"
+"""The aux-loss / z-loss share of a gradient scaled by a wrong factor while the main loss's share is right (Megatron
+under TP with the per-token loss: the aux and z losses scaled by the local token count without the TP factor, so
+their gradient is 1/TP of what it should be)."""
+EXPERT_DP_UNREDUCED = "expert-dp-unreduced"
+"""Expert gradients not reduced over the whole expert-data-parallel group (never, or over another group such as the
+dense data-parallel one): each replica of an expert keeps the share of only some ranks' tokens, and the replicas
+drift apart."""
+NORM_MISSING_EXPERTS = "norm-missing-experts"
+"""The gradient norm (the clip's) leaves out experts some ranks hold (those on tensor-parallel ranks other than 0
+counted as TP duplicates), so clipping binds less than it should."""
+
 # ---- parameter groups: what a check-level diagnosis counts right and wrong ("experts wrong (3/36)")
 OUTPUT = "output"
 """The forward: outputs, losses, gathered tensors."""

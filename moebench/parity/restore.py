@@ -19,7 +19,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from moebench.parity.compare import Comparison
+from moebench.parity.compare import Comparison  # @PASTED@ (a script that pastes this file never makes one)
 
 WEIGHTS = "weights"
 FP32_MASTER = "fp32 master"

@@ -36,7 +36,7 @@ def test_the_existing_pins_are_kept():
 
 def test_make_install_installs_the_extras_then_the_frameworks_without_their_dependencies():
     makefile = (ROOT / "Makefile").read_text()
-    assert "-e '.[test,fast,fairscale,transformers,autoep,automodel,torchtitan]'" in makefile
+    assert "-e '.[test,fast,fairscale,transformers,autoep,automodel,torchtitan,megatron]'" in makefile
     assert "--no-deps -r moebench/frameworks.txt" in makefile
 
 

@@ -62,16 +62,6 @@ def test_a_missing_library_is_one_line_with_the_install_command(monkeypatch):
     assert _parity_runs() == []
 
 
-def test_megatron_is_listed_with_why_it_has_no_rows_and_refused_in_one_line():
-    """Megatron-core's MoE needs CUDA to be built (issue 28): --list says so in one line, --library exits 2."""
-    line = next(x for x in _invoke("--list").output.splitlines() if x.startswith("megatron "))
-    assert "no" in line.split()[1:3] or "cannot" in line or "no rows" in line, line
-    result = _invoke("--library", "megatron")
-    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
-    assert "torch.cuda.Stream()" in result.output and "Router.gating" in result.output
-    assert _parity_runs() == []
-
-
 @pytest.mark.parametrize("args, needle", [
     (("--library", "nosuchlib"), "unknown library 'nosuchlib'"),
     (("--library", " , "), "--library: is empty"),

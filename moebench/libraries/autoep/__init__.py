@@ -4,6 +4,8 @@
 The package's files, each one role (docs/adding-a-library.md):
 - __init__.py: the adapter (identity, rows, what cannot run here, the --list note on transformers);
 - rows.py: each row's settings and the matrix (a covering subset: its docstring says how it was chosen);
+- resume.py: the save -> load -> continue rows (--resume); resumerun.py: such a row on every rank; resumemath.py:
+  what it does with DeepSpeed (config, save / convert / load, each slot's state), pasted by --repro;
 - rowmath.py: the rows' mathematics (models, data, config, reference, the transformers shim), pasted by --repro;
 - run.py: a row on every rank; mechanisms.py: the mechanism of its first divergence;
 - compat.py: the DeepSpeed / transformers releases AutoEP runs with; user_config.py: --ds-config for these rows;
@@ -17,7 +19,7 @@ from __future__ import annotations
 from moebench.libraries.autoep import compat
 from moebench.libraries.autoep.rows import KIND, NAME, PRECISIONS, matrix, row_of, user_matrix
 from moebench.libraries.autoep.shape import EXPERTS, FAMILIES
-from moebench.libraries.spec import Adapter, Row, install_hint
+from moebench.libraries.spec import RESUME, Adapter, Row, install_hint
 
 PRELOAD = (
     "deepspeed", "torch._dynamo", "torch._inductor.compile_fx", "deepspeed.runtime.zero.muon.muon_optimizer",
@@ -26,7 +28,7 @@ PRELOAD = (
     "transformers.models.mixtral.modeling_mixtral", "transformers.models.qwen3_moe.modeling_qwen3_moe",
     "transformers.models.qwen2_moe.modeling_qwen2_moe", "transformers.models.deepseek_v3.modeling_deepseek_v3",
     "moebench.variants.deepspeed.comm", "moebench.parity.checks_engine", "moebench.parity.checks_deepspeed",
-    "moebench.libraries.autoep.run",
+    "moebench.libraries.autoep.run", "deepspeed.checkpoint.ds_to_universal", "moebench.libraries.autoep.resumerun",
 )
 """What a row's ranks would otherwise each import at every row (DeepSpeed's engine and AutoEP, the four families'
 modelling code): imported once in the parent, the forked ranks inherit it (0.5 s a row at W = 2, not ~6 s)."""
@@ -40,7 +42,7 @@ class AutoEPAdapter(Adapter):
     catches = ("DeepSpeed AutoEP (a Hugging Face MoE model made expert-parallel inside deepspeed.initialize) whose "
                "losses, reduced gradients, clipping or steps differ from one process")
     preload = PRELOAD
-    runners = {KIND: "moebench.libraries.autoep.run:run"}
+    runners = {KIND: "moebench.libraries.autoep.run:run", RESUME: "moebench.libraries.autoep.resumerun:run"}
 
     def version(self) -> str | None:
         """The version of the DeepSpeed that imports (the rows record transformers' beside it)."""
@@ -79,14 +81,22 @@ class AutoEPAdapter(Adapter):
 
     def rows(self, world_size: int, *, resume: bool = False, user_config=None) -> list[Row]:
         """The matrix at `world_size` (rows.py); with `user_config` (--ds-config) one row per family with the user's
-        settings instead. No resume rows (AutoEP's checkpoints are not verified yet)."""
+        settings instead; `resume` adds the save -> load -> continue rows (resume.py)."""
+        from moebench.libraries.autoep.resume import resume_rows
+
         tf = compat.transformers_version()
         if user_config is not None:
             return [row_of(s, world_size, variant="ds-config") for s in user_matrix(world_size, user_config, tf)]
-        return [row_of(s, world_size) for s in matrix(world_size, tf)]
+        extra = resume_rows(world_size, tf) if resume else []
+        return [row_of(s, world_size) for s in matrix(world_size, tf)] + extra
 
     def skip_reason(self, row: Row) -> str | None:
         s = row.settings
+        if row.kind == RESUME:
+            sizes = (s.autoep_size, s.load_ep_size)
+            bad = next((e for e in sizes if row.world_size % e or EXPERTS % e), None)
+            return (f"autoep_size {bad} must divide the world size {row.world_size} and the {EXPERTS} experts"
+                    if bad else None)
         if s.family not in FAMILIES:
             return f"unknown model family {s.family!r} (AutoEP rows build {', '.join(FAMILIES)})"
         if s.precision not in PRECISIONS:
