@@ -17,7 +17,7 @@ from moebench.libraries import registry
 from moebench.libraries.spec import Adapter, problems
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-STANDALONE = {"torch", "deepspeed", "fairscale", "transformers", "megatron"}
+STANDALONE = {"torch", "deepspeed", "fairscale", "transformers", "megatron", "torchtitan", "spmd_types"}
 
 
 def _adapters() -> list[Adapter]:

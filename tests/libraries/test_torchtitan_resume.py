@@ -140,3 +140,28 @@ def test_a_checkpoint_without_the_optimizers_step_count_fails_the_continuation(m
 def test_no_false_alarms_over_seeds(world_size, seed):
     records = _rows(f"*/*dtensor/ep/w{world_size}/resume*", world_size, seed)
     assert len(records) == 4 and {r["verdict"] for r in records} == {"pass"}, records
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend,code,words", [
+    ("spmd_types", 1, "permutation: rank 0, local slot 0 holds global expert"),
+    ("partial_dtensor", 0, "every expert slot of every rank restored bit for bit"),
+])
+def test_the_standalone_script_reproduces_the_row(tmp_path, backend, code, words):
+    """`--repro`'s script for a resume row (torch, torchtitan and spmd_types only): the default backend's finding with
+    the tool's words, exit 1; the DTensor backend restores every slot, exit 0."""
+    import os
+    import subprocess
+    import sys
+
+    from moebench.libraries.torchtitan import ADAPTER
+
+    key = f"torchtitan/sigmoid-grouped+shared/{backend}/ep/w2/resume"
+    (row,) = [r for r in ADAPTER.rows(2, resume=True) if r.key() == key]
+    script = tmp_path / "repro.py"
+    script.write_text(ADAPTER.repro_script(row, seed=0))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # moebench is not on the script's path
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env=env)
+    assert done.returncode == code and words in done.stdout, (done.returncode, done.stdout[-2000:],
+                                                              done.stderr[-2000:])

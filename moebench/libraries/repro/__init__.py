@@ -35,7 +35,9 @@ INSERTS = {"@HARNESS@": ("moebench.libraries.repro", "templates/harness.py"),
            "@AUTOEPSHAPE@": ("moebench.libraries.autoep", "shape.py"),
            "@AUTOEPMATH@": ("moebench.libraries.autoep", "rowmath.py"),
            "@AUTOEPRESUME@": ("moebench.libraries.autoep", "resumemath.py"),
-           "@RESTORE@": ("moebench.parity", "restore.py")}
+           "@RESTORE@": ("moebench.parity", "restore.py"),
+           "@TTIMPORTS@": ("moebench.libraries.torchtitan", "imports.py"),
+           "@TTEXCHANGE@": ("moebench.libraries.torchtitan", "exchange.py")}
 """Marker -> the file pasted in its place (at most one line each): the parts of moebench a script shares with the
 tool, so both build the same model from the same seed and read it the same way. A pasted file imports only the
 stdlib, torch and the library; its `from __future__` line is left out (it must open a file), and so is a line

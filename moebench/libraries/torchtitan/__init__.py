@@ -128,6 +128,22 @@ class Torchtitan(Adapter):
     def skip_reason(self, row: Row) -> str | None:
         return skip_reason(row)
 
+    def repro_script(self, row: Row, seed: int) -> str | None:
+        """A standalone script reproducing a resume row's restore (templates/torchtitan_resume.py); None for the
+        bf16 rows (their noise-model judgement needs the one-process bf16 baseline a script has not got)."""
+        if row.kind != RESUME or skip_reason(row) is not None:
+            return None
+        from moebench.libraries.repro import fill
+        from moebench.libraries.torchtitan import api
+        from moebench.libraries.torchtitan.resume import LOAD_BALANCE_COEFF, LR, SAVE_STEPS
+
+        settings = {"world": row.world_size, "seed": seed, "backend": row.backend,
+                    "load_ep_mode": row.settings.load_ep_mode, "hidden": api.HIDDEN, "experts": api.NUM_EXPERTS,
+                    "expert_hidden": api.EXPERT_HIDDEN, "top_k": api.TOP_K, "init_std": api.INIT_STD,
+                    "gate_std": api.GATE_STD, "load_balance_coeff": LOAD_BALANCE_COEFF, "lr": LR,
+                    "save_steps": SAVE_STEPS, "seqs_per_rank": api.SEQS_PER_DP_RANK, "seq_len": api.SEQ_LEN}
+        return fill("torchtitan_resume", settings, key=row.key())
+
 
 def resume_rows(world_size: int, triton: str) -> list[Row]:
     """Every backend at the same layout (EP over every rank) and loaded under TP (no EP: DCP reshards)."""

@@ -1,0 +1,270 @@
+"""Reproduce a torchtitan resume row (named above): its MoE parallelized by torchtitan's own Module protocol, trained
+through its OptimizersContainer (with its load-balancing hook), saved and loaded by its own CheckpointManager over DCP,
+then every expert slot of every rank compared with every global expert's state at the save.
+
+Standalone (stdlib, torch, torchtitan and spmd_types; triton where installed, else an import stand-in). Exit 1: a slot
+holds another expert's (or no expert's) state; 0: every slot restored bit for bit; 2: a setup error, a refused load
+or the deadline."""
+from __future__ import annotations  # the pasted files' annotations name types this script never builds
+
+import datetime
+import json
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+SETTINGS = json.loads('{"world": 2}')  # @SETTINGS@ (filled by moebench)
+S = SETTINGS
+DEADLINE_S = 600.0
+MODULES = ("torchtitan.models.common.moe", "torchtitan.models.common.config_utils",
+           "torchtitan.models.common.moe_sharding", "torchtitan.models.common.token_dispatcher",
+           "torchtitan.distributed.parallel_dims", "torchtitan.distributed.utils", "torchtitan.tools.utils",
+           "torchtitan.components.checkpoint", "torchtitan.components.optimizer.optimizer",
+           "torchtitan.distributed.spmd_types")
+CPU_MODULES = ("torchtitan.tools.utils", "torchtitan.distributed.parallel_dims", "torchtitan.distributed.utils",
+               "torchtitan.models.common.token_dispatcher")
+
+# @TTIMPORTS@ (moebench/libraries/torchtitan/imports.py: torchtitan imported with a stand-in triton where missing)
+
+# @TTEXCHANGE@ (moebench/libraries/torchtitan/exchange.py: spmd_types' uneven all_to_all padded for gloo)
+
+# @RESTORE@ (moebench/parity/restore.py: which expert's state each slot holds)
+
+
+def build(layout, seed):
+    """torchtitan's MoE (DeepSeek-V3's router: sigmoid, grouped top-k, a shared expert, load balancing), its own
+    config utilities, parallelized by its own Module protocol over the layout; returns (model, moe, opt, dims)."""
+    import spmd_types as spmd
+    import torch
+    from torchtitan.components.optimizer.optimizer import (
+        OptimizersContainer,
+        ParamGroupConfig,
+        register_moe_load_balancing_hook,
+    )
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.models.common.config_utils import (
+        make_ffn_config,
+        make_moe_config,
+        make_router_config,
+        make_token_dispatcher_config,
+    )
+    from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
+    from torchtitan.models.common.moe_sharding import set_moe_sharding_config
+
+    h, e, k, std = S["hidden"], S["experts"], S["top_k"], S["init_std"]
+    torch.manual_seed(seed)
+
+    def init(p):
+        return torch.nn.init.normal_(p, std=std)
+
+    router = make_router_config(dim=h, num_experts=e, gate_param_init={"weight": init}, top_k=k, score_func="sigmoid",
+                                route_norm=True, route_scale=1.5, num_expert_groups=4, num_limited_groups=2)
+    routed = RoutedExperts.Config(
+        inner_experts=GroupedExperts.Config(dim=h, hidden_dim=S["expert_hidden"], num_experts=e,
+                                            param_init={"w1_EFD": init, "w2_EDF": init, "w3_EFD": init}),
+        token_dispatcher=make_token_dispatcher_config(num_experts=e, top_k=k, comm_backend="standard"))
+    shared = make_ffn_config(dim=h, hidden_dim=S["expert_hidden"], w1_param_init={"weight": init},
+                             w2w3_param_init={"weight": init})
+    cfg = make_moe_config(num_experts=e, router=router, routed_experts=routed, shared_experts=shared,
+                          load_balance_coeff=S["load_balance_coeff"])
+    set_moe_sharding_config(cfg, enable_ep=layout != "tp", enable_sp=False,
+                            expert_param_layout={"w1_EFD": spmd.S(1), "w2_EDF": spmd.S(2), "w3_EFD": spmd.S(1)})
+    moe = cfg.build()
+    moe.init_states(buffer_device=torch.device("cpu"))
+    with torch.no_grad():
+        torch.nn.init.normal_(moe.router.gate.weight, std=S["gate_std"])
+    world = S["world"]
+    dp, tp, ep = (world, 1, world) if layout == "ep" else (1, world, 1)
+    dist_utils.set_spmd_backend(S["backend"])
+    dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=ep, world_size=world,
+                        spmd_backend=S["backend"])
+    dims.build_mesh()
+    context = dist_utils.get_spmd_context(parallel_dims=dims)
+    with context():
+        moe.parallelize(dims)
+
+    class Block(torch.nn.Module):
+        moe_enabled = True
+
+        def __init__(self):
+            super().__init__()
+            self.moe = moe
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleDict({"0": Block()})
+
+    model = Model()
+    config = OptimizersContainer.Config(param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="Adam",
+                                                                       optimizer_kwargs={"lr": S["lr"]})],
+                                        implementation="for-loop")
+    opt = OptimizersContainer(config, model_parts=[model])
+    register_moe_load_balancing_hook(opt, [model], dims)
+    return model, moe, opt, dims, context
+
+
+def checkpointer(folder, model, opt):
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    config = CheckpointManager.Config(enable=True, folder="checkpoint", interval=1, initial_load_model_only=False,
+                                      exclude_from_loading=["dataloader", "lr_scheduler"])
+    return CheckpointManager(config, dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=None,
+                             states={}, sd_adapter=None, base_folder=folder)
+
+
+def train(side, step, rank):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    model, moe, opt, dims, context = side
+    world, seqs, seq_len = S["world"], S["seqs_per_rank"], S["seq_len"]
+    g = torch.Generator().manual_seed(S["seed"] * 1000 + step)
+    x = torch.randn(world * seqs, seq_len, S["hidden"], generator=g)
+    t = torch.randn(world * seqs, seq_len, S["hidden"], generator=g)
+    mine = slice(rank * seqs, (rank + 1) * seqs)
+    with context():
+        y = moe(x[mine].clone())
+        y = y.to_local() if isinstance(y, DTensor) else y
+        ((y.float() * t[mine]).sum() / (x.shape[0] * x.shape[1])).backward()
+    for name, p in moe.named_parameters():  # the dense gradients summed over the data-parallel ranks (FSDP's)
+        if "inner_experts" not in name and p.grad is not None and not isinstance(p.grad, DTensor):
+            dist.all_reduce(p.grad)
+    opt.step()
+    opt.zero_grad()
+
+
+def whole(moe, name, t, dims):
+    """A state of the module as one whole tensor (a spmd_types state through torchtitan's own conversion)."""
+    from torch.distributed.tensor import DTensor
+
+    if S["backend"] == "spmd_types" and not isinstance(t, DTensor):
+        from torchtitan.distributed.spmd_types import plain_tensor_to_dtensor_state_dict
+
+        owner, _, leaf = name.rpartition(".")
+        layout = (moe.get_submodule(owner) if owner else moe)._sharding_config.state_shardings[leaf]
+        t = plain_tensor_to_dtensor_state_dict({name: t}, state_dict_layouts={name: layout}, parallel_dims=dims)[name]
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def state(side):
+    model, moe, opt, dims, _ = side
+    out = {"weights": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    for name, p in moe.named_parameters():
+        out["weights"][name] = whole(moe, name, p, dims)
+        st = next((o.state[p] for o in opt.optimizers if p in o.state), {})
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in st:
+                out[key][name] = whole(moe, name, st[key], dims)
+    return out
+
+
+def rank_main(rank, store_path, folder, deadline, queue):
+    try:
+        import warnings
+
+        import torch
+        import torch.distributed as dist
+
+        warnings.filterwarnings("ignore", message="To construct DTensor from torch.Tensor")
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        world = S["world"]
+        store = dist.FileStore(store_path, world)
+        timeout = datetime.timedelta(seconds=max(10.0, 0.5 * (deadline - time.time())))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+        torch.set_num_threads(1)
+        import_torchtitan(*MODULES)  # noqa: F821 - pasted above (TTIMPORTS)
+        import importlib
+
+        for module_name in CPU_MODULES:  # torchtitan's device falls back to "cuda" without an accelerator
+            module = importlib.import_module(module_name)
+            if hasattr(module, "device_type"):
+                module.device_type = "cpu"
+            if hasattr(module, "device_module"):
+                module.device_module = torch.cpu
+        if S["backend"] == "spmd_types":
+            bridge()  # noqa: F821 - pasted above (TTEXCHANGE)
+        a = build("ep", S["seed"])
+        for step in range(S["save_steps"]):
+            train(a, step, rank)
+        saved = state(a)
+        checkpointer(folder, a[0], a[2]).save(curr_step=S["save_steps"])
+        dist.barrier()
+        b = build(S["load_ep_mode"], S["seed"] + 7919)
+        try:
+            checkpointer(folder, b[0], b[2]).load(step=S["save_steps"])
+        except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            queue.put((rank, "refused", f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"))
+            return
+        now = state(b)
+        local = S["experts"] // world
+        held = range(rank * local, (rank + 1) * local) if S["load_ep_mode"] != "tp" else (
+            range(S["experts"]) if rank == 0 else [])
+        findings = []
+        names = {"weights": WEIGHTS, "exp_avg": EXP_AVG, "exp_avg_sq": EXP_AVG_SQ}  # noqa: F821 (RESTORE)
+        for key, quantity in names.items():
+            for name, got in now[key].items():
+                if "inner_experts" not in name:
+                    continue
+                want = {g: saved[key][name][g] for g in range(S["experts"])}
+                for slot, g in enumerate(held):
+                    where = Slot(rank=rank, local=slot if S["load_ep_mode"] != "tp" else g, unit=g)  # noqa: F821
+                    findings.append(identify(where, quantity, got[g], want))  # noqa: F821
+        queue.put((rank, "findings", findings))
+    except BaseException:  # noqa: BLE001 - every error reaches the parent
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def main():
+    deadline = time.time() + DEADLINE_S
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=rank_main, args=(r, os.path.join(tmp, "store"), os.path.join(tmp, "ckpt"),
+                                                     deadline, queue)) for r in range(S["world"])]
+        for p in procs:
+            p.start()
+        results = {}
+        try:
+            while len(results) < S["world"] and time.time() < deadline:
+                try:
+                    rank, kind, value = queue.get(timeout=1.0)
+                    results[rank] = (kind, value)
+                except Exception:  # noqa: BLE001 - queue.Empty: keep waiting
+                    if any(p.exitcode not in (None, 0) for p in procs) and len(results) < S["world"]:
+                        time.sleep(2.0)
+                        if not queue.empty():
+                            continue
+                        break
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join(5)
+    if len(results) < S["world"]:
+        print("setup error: a rank ended without a result, or the deadline passed")
+        return 2
+    errors = [v for k, v in results.values() if k == "error"]
+    if errors:
+        print("setup error:\n" + errors[0])
+        return 2
+    refused = [v for k, v in results.values() if k == "refused"]
+    if refused:
+        print(f"the load was refused: {refused[0]}")
+        return 2
+    every = [f for k, v in results.values() for f in v]
+    found = diagnose_restore(every)  # noqa: F821 - pasted above (RESTORE)
+    if found is None:
+        print(f"every expert slot of every rank restored bit for bit (torchtitan, spmd_backend={S['backend']})")
+        return 0
+    print(f"{found['name']}: {found['sentence']}")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
