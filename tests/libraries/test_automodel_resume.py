@@ -26,8 +26,9 @@ def _rows(pattern: str = "*/torch_mm/*/w2/resume", world_size: int = 2, seed: in
 
 
 def test_the_pinned_release_restores_every_slot_and_continues_bit_for_bit():
-    records = _rows("*/w2/resume")
-    assert [(r["backend"], r["verdict"]) for r in records] == [("torch", "pass"), ("torch_mm", "pass")], records
+    records = _rows("*/w2/resume*")
+    assert [(r["check"].rsplit("/", 1)[1], r["backend"], r["verdict"]) for r in records] == [
+        ("resume", "torch", "pass"), ("resume", "torch_mm", "pass"), ("resume-to-noep", "torch_mm", "pass")], records
 
 
 def _swap_in_saved(monkeypatch, wrapper: str, key_end: str):
@@ -123,5 +124,5 @@ def test_a_checkpoint_without_the_step_counts_fails_the_continuation(monkeypatch
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("seed", [1, 2, 3, 4, 5])
 def test_no_false_alarms_over_seeds(world_size, seed):
-    records = _rows(f"*/w{world_size}/resume", world_size, seed)
-    assert len(records) == 2 and {r["verdict"] for r in records} == {"pass"}, records
+    records = _rows(f"*/w{world_size}/resume*", world_size, seed)
+    assert len(records) == 3 and {r["verdict"] for r in records} == {"pass"}, records

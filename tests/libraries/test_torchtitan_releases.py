@@ -39,3 +39,30 @@ def test_0_2_0_passes_its_ep_row_and_lacks_grouped_routing(tmp_path):
     assert summary["counts"] == {"pass": 1, "fail": 0, "skip": 3}
     grouped = [r for r in summary["rows"] if r["model"] == "sigmoid-grouped+shared"]
     assert all("node-limited routing" in r["diagnosis"] for r in grouped)
+
+
+def test_0_2_2_resumes_every_slot_where_its_checkpointer_imports(tmp_path):
+    """0.2.2's resume rows (its EP step, its build_optimizers_with_moe_load_balancing, its CheckpointManager): its
+    checkpointer imports its dataloader module, which imports torchdata. Without torchdata the rows skip saying so
+    (measured where they run: the whole --resume --row request is then refused in one line); with torchdata beside it
+    (pure Python, side-installed), both rows pass: ExpertParallel's DTensor experts restored slot by slot at the same
+    layout and gathered whole into the module with no parallelism."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers.releases import REPO
+
+    folder = side_install("torchtitan-0.2.2", ["torchtitan==0.2.2", *IMPORTED], "torchtitan/__init__.py")
+    refused = cli(folder, "--library", "torchtitan", "-n", "2", "--resume", "--row", "*/resume*", results=tmp_path)
+    assert refused.returncode == 2 and "imports torchdata (not installed here" in refused.stderr, refused.stderr
+    torchdata = side_install("torchdata-0.11.0", ["torchdata==0.11.0"], "torchdata/__init__.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, (folder, torchdata, REPO))),
+           "MOEBENCH_RESULTS": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "moebench", "verify-parity", "--library", "torchtitan", "-n", "2",
+                           "--resume", "--row", "*/resume*", "--json"], env=env, text=True, capture_output=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout)["rows"]
+    assert [(r["check"].rsplit("/", 1)[1], r["verdict"]) for r in rows] == [("resume", "pass"),
+                                                                            ("resume-to-none", "pass")], rows

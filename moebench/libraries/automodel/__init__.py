@@ -59,6 +59,8 @@ class AutomodelSettings(Settings):
 class AutomodelResumeSettings(Settings):
     save_steps: int
     continue_steps: int
+    load_ep_mode: str = "apply_ep+fsdp"
+    """The layout the checkpoint is loaded under: the saved one, or "fsdp" (no EP: FSDP shards the experts)."""
     dense_grads: str = "averaged over the ranks by apply_fsdp (FSDP2), as the recipes parallelize"
     checkpoint: str = "Checkpointer.save_model / save_optimizer / load_model / load_optimizer, torch_save (DCP)"
     torch_compile: str = api.TORCH_COMPILE
@@ -120,6 +122,10 @@ class Automodel(Adapter):
                          world_size=world_size, kind=RESUME, features=("resume",), variant="resume",
                          settings=AutomodelResumeSettings(save_steps=SAVE_STEPS, continue_steps=CONTINUE_STEPS))
                      for backend in api.BACKENDS]
+            rows.append(Row(library=NAME, model="deepseek_v3", backend="torch_mm", ep_mode="apply_ep+fsdp",
+                            world_size=world_size, kind=RESUME, features=("resume",), variant="resume-to-noep",
+                            settings=AutomodelResumeSettings(save_steps=SAVE_STEPS, continue_steps=0,
+                                                             load_ep_mode="fsdp")))
         return rows
 
     def skip_reason(self, row: Row) -> str | None:

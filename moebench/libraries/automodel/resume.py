@@ -29,18 +29,20 @@ FRESH_SEED_OFFSET = 7919
 BIAS = "e_score_correction_bias"
 
 
-def _make(row: Row, seed: int, world: int):
-    """(model, optimizer, EP mesh) of one side: built, `apply_ep`, `apply_fsdp` (float32 throughout)."""
+def _make(row: Row, seed: int, world: int, ep: bool = True):
+    """(model, optimizer, EP mesh or None) of one side: built, `apply_ep` (unless `ep` is off: the load of
+    `resume-to-noep`), `apply_fsdp` (float32 throughout; without EP, FSDP shards the experts' dim over the ranks)."""
     import torch
     from nemo_automodel.components.moe.parallelizer import apply_fsdp
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     model, _ = api.build(row.model, row.backend, seed)
     mesh = api.ep_mesh(world)
-    api.apply_ep(model, mesh)
-    apply_fsdp(model, mesh["ep"], ep_enabled=True, ep_shard_enabled=False,
+    if ep:
+        api.apply_ep(model, mesh)
+    apply_fsdp(model, mesh["ep"], ep_enabled=ep, ep_shard_enabled=False,
                mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32))
-    return model, torch.optim.Adam(model.parameters(), lr=LR, foreach=False), mesh
+    return model, torch.optim.Adam(model.parameters(), lr=LR, foreach=False), mesh if ep else None
 
 
 def _checkpointer(folder: str, rank: int, mesh):
@@ -208,7 +210,8 @@ def _run(ctx, row: Row, opts) -> list:
         _checkpointer(str(folder), r, a[2]).save_model(a[0], path)
         _checkpointer(str(folder), r, a[2]).save_optimizer(a[1], a[0], path)
         torch.distributed.barrier()
-        b = _make(row, opts.seed + FRESH_SEED_OFFSET, w)
+        to_noep = getattr(row.settings, "load_ep_mode", "apply_ep+fsdp") == "fsdp"
+        b = _make(row, opts.seed + FRESH_SEED_OFFSET, w, ep=not to_noep)
         fresh = _state(b)
         from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: every rank's errors
 
@@ -221,6 +224,8 @@ def _run(ctx, row: Row, opts) -> list:
 
             raise Refused(f"Checkpointer.load refused it: {refusal(exc)}") from None
     out += restore_comparisons(_findings(b, saved, fresh, r, w), r)
+    if to_noep:
+        return out  # another layout: what it restored is what is asked of it
     experts = _expert_names(a[0])
     for step in range(SAVE_STEPS, SAVE_STEPS + CONTINUE_STEPS):
         _train(a, step, opts.seed, r, w)

@@ -49,7 +49,8 @@ class TorchtitanSettings(Settings):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TorchtitanResumeSettings(TorchtitanSettings):
     load_ep_mode: str
-    """The layout the checkpoint is loaded under ("ep": the saved one; "tp": TP without EP, DCP resharding)."""
+    """The layout the checkpoint is loaded under ("ep": the saved one; "tp": TP without EP, DCP resharding; "none": the
+    module with no parallelism, 0.2)."""
     save_steps: int
     continue_steps: int
     load_balance_coeff: float
@@ -115,9 +116,7 @@ class Torchtitan(Adapter):
 
         if api.generation() == "moe":  # 0.2: no spmd backends; its EP step (its TP rows skip with the reason)
             return [row(model, V02_BACKEND, layout) for layout in ("ep", "tp") for model in api.MODELS] + (
-                [Row(library=NAME, model="sigmoid-grouped+shared", backend=V02_BACKEND, ep_mode="ep",
-                     world_size=world_size, kind=RESUME, features=("resume",), variant="resume",
-                     settings=TorchtitanSettings(triton=triton, patch=patch))] if resume else [])
+                resume_rows(world_size, triton, patch) if resume else [])
         rows = [row(model, backend, layout) for backend in BACKENDS for layout in layouts(world_size)
                 for model in api.MODELS]
         rows += [row(next(iter(api.MODELS)), backend, "ep") for backend in SKIPPED_BACKENDS]
@@ -145,16 +144,19 @@ class Torchtitan(Adapter):
         return fill("torchtitan_resume", settings, key=row.key())
 
 
-def resume_rows(world_size: int, triton: str) -> list[Row]:
-    """Every backend at the same layout (EP over every rank) and loaded under TP (no EP: DCP reshards)."""
+def resume_rows(world_size: int, triton: str, patch: str = "") -> list[Row]:
+    """0.3: every backend at the same layout (EP over every rank) and loaded under TP (no EP: DCP reshards); 0.2: its
+    EP step, at the same layout and loaded into the module with no parallelism ("none": DCP gathers the experts)."""
+    from moebench.libraries.torchtitan import api
     from moebench.libraries.torchtitan.exchange import PATCH
     from moebench.libraries.torchtitan.resume import CONTINUE_STEPS, LOAD_BALANCE_COEFF, SAVE_STEPS
 
+    v02 = api.generation() == "moe"
     rows = []
-    for backend in BACKENDS:
-        for load in ("ep", "tp"):
+    for backend in ((V02_BACKEND,) if v02 else BACKENDS):
+        for load in ("ep", "none" if v02 else "tp"):
             settings = TorchtitanResumeSettings(
-                triton=triton, patch=PATCH if backend == "spmd_types" else "", load_ep_mode=load,
+                triton=triton, patch=PATCH if backend == "spmd_types" else patch, load_ep_mode=load,
                 save_steps=SAVE_STEPS, continue_steps=CONTINUE_STEPS if load == "ep" else 0,
                 load_balance_coeff=LOAD_BALANCE_COEFF)
             rows.append(Row(library=NAME, model="sigmoid-grouped+shared", backend=backend, ep_mode="ep",
@@ -167,9 +169,6 @@ def skip_reason(row: Row) -> str | None:
     """One line why this row cannot run here, or None."""
     from moebench.libraries.torchtitan import api
 
-    if row.kind == RESUME and api.generation() != "common":
-        return (f"torchtitan {api.tt_version()}: resume rows drive 0.3's Module protocol and CheckpointManager "
-                "(0.2's rows are not built)")
     if row.backend in SKIPPED_BACKENDS:
         return f"spmd_backend={row.backend}: {SKIPPED_BACKENDS[row.backend]}"
     if row.model not in api.MODELS or row.backend not in (*BACKENDS, V02_BACKEND) or row.ep_mode not in (
@@ -183,6 +182,12 @@ def skip_reason(row: Row) -> str | None:
         return f"torchtitan {api.tt_version()} has no {row.backend} backend"
     if api.generation() == "moe" and api.load() and api.v02_lacks(row.model):
         return f"torchtitan {api.tt_version()} has no {api.v02_lacks(row.model)}"
+    if row.kind == RESUME and api.generation() == "moe":
+        from moebench.preload import has_module
+
+        if not has_module("torchdata"):  # measured where the row runs: its checkpointer's import chain
+            return (f"torchtitan {api.tt_version()}'s CheckpointManager imports its dataloader module, which imports "
+                    "torchdata (not installed here: pip install torchdata)")
     if api.generation() == "moe" and row.ep_mode != "ep":
         return (f"torchtitan {api.tt_version()}: its TP plans live in apply_moe_ep_tp "
                 "(models/llama4/infra/parallelize.py), which imports torchdata and tensorboard; only its EP step runs")

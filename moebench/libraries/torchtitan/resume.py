@@ -32,6 +32,16 @@ LOAD_BALANCE_COEFF = 1e-2
 """Large enough that the bias moves visibly in two steps (the sign update adds +-coeff per step)."""
 FRESH_SEED_OFFSET = 7919
 BIAS = "expert_bias_E"
+"""The expert bias of 0.3's MoE (0.2's: `expert_bias`)."""
+
+
+def bias_name(gen: str) -> str:
+    return BIAS if gen == "common" else "expert_bias"
+
+
+def is_expert(gen: str, name: str) -> bool:
+    """Whether `name` is a routed expert's parameter (stacked over the experts along dim 0)."""
+    return name in {v for role, v in api.names(gen).items() if role in ("w1", "w2", "w3")}
 
 
 def _model(moe):
@@ -55,19 +65,37 @@ def _model(moe):
 
 
 def _make(gen: str, row: Row, layout: str, seed: int, world: int):
-    """(model, moe, optimizers, forward context, input entry, ParallelDims) of one side."""
+    """(model, moe, optimizers, forward context, input entry, ParallelDims) of one side. 0.3: its Module protocol,
+    `OptimizersContainer` and `register_moe_load_balancing_hook`; 0.2: its EP step (api.parallelize), or no
+    parallelism at all (layout "none": the whole module on every rank), `build_optimizers_with_moe_load_balancing`."""
+    import contextlib
+
     import torch
+
+    torch.manual_seed(seed)
+    moe = api.build(gen, row.model, enable_ep=layout not in ("tp", "none"), enable_sp=layout == "ep+tp",
+                    load_balance_coeff=LOAD_BALANCE_COEFF)
+    if layout == "none":
+        context, enter, dims = contextlib.nullcontext, (lambda x: x), None
+    else:
+        context, _, enter, dims = api.parallelize(gen, moe, row.backend, layout, world)
+    model = _model(moe)
+    if gen == "moe":
+        from torchtitan.components.optimizer import build_optimizers_with_moe_load_balancing
+        from torchtitan.config.job_config import Optimizer
+        from torchtitan.distributed import ParallelDims
+
+        hook_dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=world)
+        hook_dims.build_mesh()  # the hook sums the token counts over its "loss" mesh (the data-parallel ranks)
+        optimizers = build_optimizers_with_moe_load_balancing(
+            [model], Optimizer(name="Adam", lr=LR, implementation="for-loop"), hook_dims)
+        return model, moe, optimizers, context, enter, dims
     from torchtitan.components.optimizer.optimizer import (
         OptimizersContainer,
         ParamGroupConfig,
         register_moe_load_balancing_hook,
     )
 
-    torch.manual_seed(seed)
-    moe = api.build(gen, row.model, enable_ep=layout != "tp", enable_sp=layout == "ep+tp",
-                    load_balance_coeff=LOAD_BALANCE_COEFF)
-    context, _, enter, dims = api.parallelize(gen, moe, row.backend, layout, world)
-    model = _model(moe)
     config = OptimizersContainer.Config(param_groups=[ParamGroupConfig(
         pattern=".*", optimizer_name="Adam", optimizer_kwargs={"lr": LR})], implementation="for-loop")
     optimizers = OptimizersContainer(config, model_parts=[model])
@@ -75,9 +103,18 @@ def _make(gen: str, row: Row, layout: str, seed: int, world: int):
     return model, moe, optimizers, context, enter, dims
 
 
-def _checkpointer(folder: str, model, optimizers):
+def _checkpointer(gen: str, folder: str, model, optimizers):
+    """torchtitan's own CheckpointManager as its trainer builds it (0.3: its Config; 0.2: job_config's Checkpoint)."""
     from torchtitan.components.checkpoint import CheckpointManager
 
+    if gen == "moe":
+        from torchtitan.config.job_config import Checkpoint
+
+        config = Checkpoint(enable=True, folder="checkpoint", interval=1,
+                            exclude_from_loading=["dataloader", "lr_scheduler"])
+        return CheckpointManager(dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=None,
+                                 states={}, checkpoint_config=config, sd_adapter=None, base_folder=folder,
+                                 ft_manager=None)
     config = CheckpointManager.Config(enable=True, folder="checkpoint", interval=1, initial_load_model_only=False,
                                       exclude_from_loading=["dataloader", "lr_scheduler"])
     return CheckpointManager(config, dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=None,
@@ -100,6 +137,7 @@ def _train(side, step: int, seed: int, rank: int, world: int) -> None:
     from moebench.libraries.torchtitan.bf16 import covers_dp
 
     model, moe, optimizers, context, enter, _ = side
+    gen = api.generation()
     x_all, t_all = _batch(seed, step, world)
     mine = slice(rank * api.SEQS_PER_DP_RANK, (rank + 1) * api.SEQS_PER_DP_RANK)
     tokens = x_all.shape[0] * x_all.shape[1]
@@ -108,7 +146,7 @@ def _train(side, step: int, seed: int, rank: int, world: int) -> None:
         y = y.to_local() if isinstance(y, DTensor) else y
         ((y.float() * t_all[mine]).sum() / tokens).backward()
     for name, p in moe.named_parameters():  # what torchtitan's FSDP sums over the data-parallel ranks
-        if "inner_experts" not in name and p.grad is not None and not covers_dp(p.grad):
+        if not is_expert(gen, name) and p.grad is not None and not covers_dp(p.grad):
             dist.all_reduce(p.grad)
     optimizers.step()
     optimizers.zero_grad()
@@ -131,7 +169,8 @@ def _state(side) -> dict[str, dict[str, Any]]:
         for key in ("exp_avg", "exp_avg_sq"):
             if key in state:
                 out[key][name] = _whole(moe, name, state[key], dims)
-    out["bias"][BIAS] = _whole(moe, BIAS, getattr(moe, BIAS), dims)
+    name = bias_name(api.generation())
+    out["bias"][BIAS] = _whole(moe, name, getattr(moe, name), dims)
     return out
 
 
@@ -144,14 +183,16 @@ def _findings(side, saved: dict, fresh: dict, rank: int, world: int, layout: str
     quantities = {"weights": restore.WEIGHTS, "exp_avg": restore.EXP_AVG, "exp_avg_sq": restore.EXP_AVG_SQ}
     now = _state(side)
     out = []
-    held = (ExpertLayout(api.NUM_EXPERTS, world).experts_of(rank) if layout != "tp"
-            else (range(api.NUM_EXPERTS) if rank == 0 else []))  # TP: every rank holds every expert, in pieces
+    whole = layout in ("tp", "none")  # every rank holds every expert (in pieces under TP)
+    held = ExpertLayout(api.NUM_EXPERTS, world).experts_of(rank) if not whole else (
+        range(api.NUM_EXPERTS) if rank == 0 else [])
+    gen = api.generation()
     for key, quantity in quantities.items():
         for name, got in now[key].items():
-            if "inner_experts" in name:
+            if is_expert(gen, name):
                 want = {e: saved[key][name][e] for e in range(api.NUM_EXPERTS)}
                 for slot, e in enumerate(held):
-                    where = restore.Slot(rank=rank, local=slot if layout != "tp" else e, unit=e)
+                    where = restore.Slot(rank=rank, local=e if whole else slot, unit=e)
                     f = restore.identify(where, quantity, got[e], want,
                                          fresh=fresh[key][name][e] if key == "weights" else None)
                     out.append((f"after the load: {name} [expert {e}] {key}", f))
@@ -175,7 +216,8 @@ def _biases_agree(side, rank: int, tag: str):
     from moebench.parity.diagnosis import ROUTER
 
     _, moe, _, _, _, dims = side
-    mine = _whole(moe, BIAS, getattr(moe, BIAS), dims)
+    name = bias_name(api.generation())
+    mine = _whole(moe, name, getattr(moe, name), dims)
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     differ = [r for r, b in enumerate(every) if not torch.equal(b, every[0])]
@@ -200,13 +242,15 @@ def _run(ctx, row: Row, opts) -> list:
     import torch
 
     from moebench.libraries.resume import refusal, restore_comparisons, shared_dir
-    from moebench.parity.compare import EXACT, compare
+    from moebench.parity.compare import EXACT, assertion, compare
     from moebench.parity.diagnosis import EXPERTS, REPLICATED, ROUTER
 
     for name in ("torchtitan", "torch.distributed.checkpoint"):  # the checkpointer's info lines
         logging.getLogger(name).setLevel(logging.WARNING)
     gen = api.load()
     api.point_at_cpu()
+    if gen == "moe":  # 0.2's CPU gaps, recorded in the row (api.V02_PATCH)
+        api.bridge_v02_cpu_gaps()
     if row.settings.patch.startswith("spmd_types"):
         from moebench.libraries.torchtitan.exchange import bridge
 
@@ -219,15 +263,18 @@ def _run(ctx, row: Row, opts) -> list:
         _train(a, step, opts.seed, r, w)
         out.append(_biases_agree(a, r, f"step {step + 1}"))
     saved = _state(a)
+    moved = bool(saved["bias"][BIAS].abs().sum() > 0)
+    out.append(assertion(f"the expert bias moved in {SAVE_STEPS} steps (the row checks a state that changes)", moved,
+                         rank=r, group=ROUTER, note="" if moved else "it is still all zeros: nothing to restore"))
     with shared_dir("torchtitan-resume") as folder:
-        _checkpointer(str(folder), a[0], a[2]).save(curr_step=SAVE_STEPS)
+        _checkpointer(gen, str(folder), a[0], a[2]).save(curr_step=SAVE_STEPS)
         torch.distributed.barrier()
         b = _make(gen, row, s.load_ep_mode, opts.seed + FRESH_SEED_OFFSET, w)
         fresh = _state(b)
         from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: every rank's errors
 
         try:
-            _checkpointer(str(folder), b[0], b[2]).load(step=SAVE_STEPS)
+            _checkpointer(gen, str(folder), b[0], b[2]).load(step=SAVE_STEPS)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - the load refused is the row's verdict
             from moebench.parity.registry import Refused
 
@@ -240,7 +287,7 @@ def _run(ctx, row: Row, opts) -> list:
         _train(b, step, opts.seed, r, w)
         kept, resumed = _state(a), _state(b)
         for name, t in resumed["weights"].items():
-            group = EXPERTS if "inner_experts" in name else ROUTER if "router" in name else REPLICATED
+            group = EXPERTS if is_expert(gen, name) else ROUTER if "router" in name else REPLICATED
             out.append(compare(f"step {step + 1} (resumed): {name} vs the run that never stopped", t,
                                kept["weights"][name], EXACT, rank=r, group=group))
         out.append(compare(f"step {step + 1} (resumed): the expert bias vs the run that never stopped",
