@@ -54,19 +54,24 @@ def verify_parity(*, world_size: int | None = None, checks: str | Sequence[str] 
                   timeout_s: float = 120.0, comm_backend: str = "auto", tolerance: str = "strict",
                   impls: Mapping[str, str] | Sequence[str] = (), seed: int = 0, debug_collectives: bool = False,
                   results_dir: str | None = None, library: str | Sequence[str] | None = None,
-                  adapter: Any = None, ds_config: str | None = None, resume: bool = False,
-                  repro: str | None = None, rows: Sequence[str] = (), full: bool = False) -> dict[str, Any]:
+                  adapter: Any = None, ds_config: str | None = None, hf_config: str | None = None,
+                  recipe: str | None = None, torchtitan_args: str | None = None, allow_imports: Sequence[str] = (),
+                  resume: bool = False, repro: str | None = None, rows: Sequence[str] = (),
+                  full: bool = False) -> dict[str, Any]:
     """The parity checks, or a library's conformance rows, like `moebench verify-parity --json`.
 
     The checks: `checks` names (see `moebench verify-parity --list`) or None for all, at `world_size` ranks
     (default 4); `impls`: your code instead of moebench's, {"experts": "my_pkg.moe:Experts", ...} (the `--impl`
     contracts of docs/verify-parity.md). The library rows instead (docs/libraries.md): `library` names
     ("deepspeed" or ["fairscale", "transformers"]), `adapter` your own adapter (the object, or "pkg.mod:ADAPTER",
-    docs/adding-a-library.md), at `world_size` or at 2 and 4; `ds_config` a DeepSpeed config file, `resume` the
-    resume rows, `rows` only the rows whose key matches one of these globs, `repro` a new folder for the failing
-    rows' standalone scripts. Returns the summary: "status" ("ok" when at least one check passed and none failed,
-    else "failed"), one record per check under "checks" (each with its failed comparisons; every comparison with
-    `full=True`, and always in the run's summary.json) and, for library rows, one record per row under "rows".
+    docs/adding-a-library.md), at `world_size` or at 2 and 4. Your own setup (docs/libraries.md, "verify your own
+    launch"): `ds_config` a DeepSpeed config file, `hf_config` a model's config.json, `recipe` an Automodel recipe
+    YAML, `torchtitan_args` the arguments given to torchtitan.train (one string), `allow_imports` the modules
+    outside its framework a recipe or torchtitan module may import. `resume` the resume rows, `rows` only the rows
+    whose key matches one of these globs, `repro` a new folder for the failing rows' standalone scripts.
+    Returns the summary: "status" ("ok" when at least one check passed and none failed, else "failed"), one
+    record per check under "checks" (each with its failed comparisons; every comparison with `full=True`, and
+    always in the run's summary.json) and, for library rows, one record per row under "rows".
     """
     from moebench import config as config_tree
     from moebench import results
@@ -77,10 +82,17 @@ def verify_parity(*, world_size: int | None = None, checks: str | Sequence[str] 
     config_tree.require_launch_env()
     _require_types(world_size=world_size, checks=checks, timeout_s=timeout_s, comm_backend=comm_backend,
                    tolerance=tolerance, impls=impls, seed=seed, debug_collectives=debug_collectives,
-                   results_dir=results_dir, library=library, adapter=adapter, ds_config=ds_config, resume=resume,
-                   repro=repro, rows=rows, full=full)
+                   results_dir=results_dir, library=library, adapter=adapter, ds_config=ds_config,
+                   hf_config=hf_config, recipe=recipe, torchtitan_args=torchtitan_args, allow_imports=allow_imports,
+                   resume=resume, repro=repro, rows=rows, full=full)
     results.check_root(results_dir, "parity")
-    rows_asked = library is not None or adapter is not None or ds_config is not None
+    setup = dict(ds_config=ds_config, hf_config=hf_config, recipe=recipe, torchtitan_args=torchtitan_args)
+    if isinstance(allow_imports, str):
+        allow_imports = (allow_imports,)
+    if allow_imports and all(v is None for v in setup.values()):
+        raise UserError("lets a recipe or torchtitan_args import code outside its framework; give one of them too",
+                        flag="--allow-import")
+    rows_asked = library is not None or adapter is not None or any(v is not None for v in setup.values())
     if rows_asked and checks is not None:
         raise UserError("runs the library rows, not checks; drop checks or library", flag="--library")
     for flag, given in (("--repro", repro is not None), ("--resume", resume), ("--row", bool(rows))):
@@ -100,8 +112,9 @@ def verify_parity(*, world_size: int | None = None, checks: str | Sequence[str] 
         from moebench.libraries import verify
 
         request = verify.LibraryRequest(libraries=verify.names_of(library) if library is not None else (),
-                                        adapter=adapter, world_size=world_size, ds_config=ds_config, resume=resume,
-                                        repro=repro, rows=tuple(rows), timeout_s=config.timeout_s)
+                                        adapter=adapter, world_size=world_size, resume=resume, repro=repro,
+                                        rows=tuple(rows), timeout_s=config.timeout_s,
+                                        allow_imports=tuple(allow_imports), **setup)
         summary = verify.run(verify.prepare(request, results_dir), config, results_dir=results_dir)
     return results.to_jsonable(summary if full else failed_only(summary))
 
@@ -122,13 +135,18 @@ VERIFY_PARITY_TYPES: dict[str, tuple[tuple[type, ...], str, bool]] = {
     "library": ((str, list, tuple), _NAMES, True),
     "adapter": ((str,), "an Adapter object or 'package.module:ATTRIBUTE'", True),
     "ds_config": (_PATH, "a path", True),
+    "hf_config": (_PATH, "a path", True),
+    "recipe": (_PATH, "a path", True),
+    "torchtitan_args": ((str,), "a string (the arguments, as typed after -m torchtitan.train)", True),
+    "allow_imports": ((str, list, tuple), _NAMES, False),
     "resume": ((bool,), "True or False", False),
     "repro": (_PATH, "a path", True),
     "rows": ((str, list, tuple), _NAMES, False),
     "full": ((bool,), "True or False", False),
 }
 """verify_parity's arguments and the types each takes: anything else is a UserError naming its flag."""
-_FLAGS = {"timeout_s": "--timeout", "impls": "--impl", "rows": "--row", "full": "--json-full"}
+_FLAGS = {"timeout_s": "--timeout", "impls": "--impl", "rows": "--row", "full": "--json-full",
+          "allow_imports": "--allow-import"}
 
 
 def _require_types(**given: Any) -> None:

@@ -102,6 +102,9 @@ PROBES = ("getattr(adapter", "hasattr(adapter", "inspect.signature", ".args[", "
 
 def test_no_adapter_is_probed():
     room = PACKAGE / "libraries"
-    found = [f"{p.relative_to(REPO)}: {probe}" for p in sorted(room.glob("*.py")) for probe in PROBES
+    # The modules that handle an adapter (hf_config.py reads a transformers config class's own signature: no adapter).
+    handling = [p for p in sorted(room.glob("*.py")) if "adapter" in p.read_text(encoding="utf-8").lower()]
+    assert len(handling) >= 5, handling
+    found = [f"{p.relative_to(REPO)}: {probe}" for p in handling for probe in PROBES
              if probe in p.read_text(encoding="utf-8")]
     assert not found, found

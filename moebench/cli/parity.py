@@ -38,6 +38,11 @@ BOUNDS = {
                                   listed_by="moebench verify-parity --list"), example="fairscale"),
     "--impl": Text(what="KEY=package.module:attribute", pattern=r"[a-z-]+=[A-Za-z_][\w.]*:[A-Za-z_][\w.]*"),
     "--ds-config": Path(folder=False, must_exist=True),
+    "--hf-config": Path(folder=False, must_exist=True),
+    "--recipe": Path(folder=False, must_exist=True),
+    "--torchtitan-args": Text(what="torchtitan.train argument list", max_chars=4096),
+    "--allow-import": Text(what="Python module name", pattern=r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*",
+                           hint="a dotted module name, e.g. my_pkg.models"),
     "--repro": Path(folder=True, writable=True),
     "--adapter": Text(what="package.module:ATTRIBUTE", pattern=r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*"),
     "--row": Text(what="row key or glob", pattern=r"[^\s,]+"),
@@ -54,15 +59,24 @@ def _print_library_end(summary: dict) -> None:
     typer.echo(f"saved to {summary['run_path']}")
 
 
-def _print_notes(path: str, ds_config: dict) -> None:
+def _print_notes(summary_extra: dict) -> None:
+    """What the rows take from the user's own setup: the flags given, then one line per note."""
     import os
     import textwrap
 
-    from moebench.libraries.deepspeed.user_config import verified_line
     from moebench.libraries.records import WIDTH
 
-    typer.echo(f"--ds-config {os.path.basename(path)[:WIDTH - 12]}:")  # the whole path is in summary.json
-    for note in (verified_line(ds_config["settings"]), *ds_config["notes"]):
+    setup = summary_extra["setup"]
+    given = [f"{flag} {value if flag == '--torchtitan-args' else os.path.basename(value)}"  # whole paths: summary.json
+             for flag, value in setup["given"].items()]
+    typer.echo("\n".join(textwrap.wrap(", ".join(given) + ":", WIDTH, subsequent_indent="    ",
+                                       break_on_hyphens=False)))
+    notes = list(setup["notes"])
+    if "ds_config" in summary_extra:
+        from moebench.libraries.deepspeed.user_config import verified_line
+
+        notes.insert(0, verified_line(summary_extra["ds_config"]["settings"]))
+    for note in notes:
         typer.echo("\n".join(textwrap.wrap(note, WIDTH, initial_indent="  ", subsequent_indent="    ",
                                            break_on_hyphens=False)))
 
@@ -130,6 +144,26 @@ def verify_parity(
         "and precision on the engine rows (and AutoEP's, with --library autoep), optimizer replaced by SGD "
         "(implies --library deepspeed).",
     ),
+    hf_config: Optional[str] = flags.bounded_option(
+        None, "--hf-config", bound=BOUNDS["--hf-config"], metavar="FILE",
+        help="Verify your model: a config.json (as from_pretrained reads it), its MoE settings kept, its sizes "
+        "shrunk (implies --library transformers; autoep and automodel read it too).",
+    ),
+    recipe: Optional[str] = flags.bounded_option(
+        None, "--recipe", bound=BOUNDS["--recipe"], metavar="FILE",
+        help="Verify your NeMo Automodel recipe YAML, read by Automodel's own loader (implies --library "
+        "automodel).",
+    ),
+    torchtitan_args: Optional[str] = flags.bounded_option(
+        None, "--torchtitan-args", bound=BOUNDS["--torchtitan-args"], metavar="ARGS",
+        help="Verify your torchtitan launch: the arguments you give torchtitan.train, in one string, e.g. "
+        "--torchtitan-args='--module deepseek_v3 --config deepseek_v3_16b' (implies --library torchtitan).",
+    ),
+    allow_import: List[str] = flags.bounded_option(
+        [], "--allow-import", bound=BOUNDS["--allow-import"], metavar="MODULE",
+        help="Let a --recipe _target_ or a --torchtitan-args --module name code outside its framework: that "
+        "module (and those under it) is imported (repeatable).",
+    ),
     repro: Optional[str] = flags.bounded_option(
         None, "--repro", bound=BOUNDS["--repro"], metavar="DIR",
         help="With --library: write a standalone script (python, torch and the library only) reproducing each "
@@ -158,20 +192,27 @@ def verify_parity(
         raise UserError(f"given {len(adapters)} times ({', '.join(adapters)}); one adapter a run: verify each in "
                         "a run of its own", flag="--adapter")
     adapter = adapters[0] if adapters else None
+    setup = dict(ds_config=ds_config, hf_config=hf_config, recipe=recipe, torchtitan_args=torchtitan_args,
+                 allow_imports=tuple(allow_import))
+    setup_flag = next((f for f, v in (("--ds-config", ds_config), ("--hf-config", hf_config), ("--recipe", recipe),
+                                      ("--torchtitan-args", torchtitan_args)) if v is not None), None)
+    if allow_import and setup_flag is None:
+        raise UserError("lets a --recipe or --torchtitan-args import code outside its framework; give one of them "
+                        "too, or drop it", flag="--allow-import")
+    rows_asked = library is not None or adapter is not None or setup_flag is not None
     if list_checks:
-        if library is not None or adapter is not None:  # the rows they would run, with their keys (for --row)
+        if rows_asked:  # the rows they would run, with their keys (for --row)
             from moebench.libraries import verify
 
             request = verify.LibraryRequest(libraries=verify.names_of(library) if library is not None else (),
                                             adapter=adapter, world_size=world_size, resume=resume,
-                                            rows=tuple(row), timeout_s=timeout)
+                                            rows=tuple(row), timeout_s=timeout, **setup)
             parity_console.print_rows(verify.list_rows(request), as_json)
             return
         parity_console.print_list(as_json)
         return
-    rows_asked = library is not None or adapter is not None or ds_config is not None
     if rows_asked and checks is not None:
-        flag = "--library" if library is not None else "--adapter" if adapter is not None else "--ds-config"
+        flag = "--library" if library is not None else "--adapter" if adapter is not None else setup_flag
         raise UserError("runs the library rows, not checks; drop --checks or " + flag, flag=flag)
     needs_rows = (("--repro", repro is not None, "writes scripts for failing library rows; add --library NAME"),
                   ("--resume", resume, "adds resume rows to a library's matrix; give --library NAME too, e.g. "
@@ -227,13 +268,13 @@ def verify_parity(
             if rows_asked:  # the library rows instead of the checks, through the same runner
                 request = verify.LibraryRequest(
                     libraries=verify.names_of(library) if library is not None else (), adapter=adapter,
-                    world_size=world_size, ds_config=ds_config, resume=resume, repro=repro, rows=tuple(row),
-                    timeout_s=timeout)
+                    world_size=world_size, resume=resume, repro=repro, rows=tuple(row), timeout_s=timeout,
+                    **setup)
                 prepared = verify.prepare(request, results_dir)
                 execute = functools.partial(verify.run, prepared)
                 if _is_printer() and not as_json:
-                    if prepared.summary_extra.get("ds_config"):
-                        _print_notes(ds_config, prepared.summary_extra["ds_config"])
+                    if prepared.summary_extra.get("setup"):
+                        _print_notes(prepared.summary_extra)
                     table = Table(list(prepared.previews))
                     typer.echo(f"verify-parity --library: {len(prepared.previews)} row(s), tolerance {tolerance}")
                     for line in table.head():

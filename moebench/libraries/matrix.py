@@ -92,10 +92,12 @@ def select_rows(rows: list[Row], patterns: tuple[str, ...], listed_by: str = "--
 
 def row_checks(adapters: list[Adapter], world_sizes: tuple[int, ...], *, resume: bool = False,
                user_configs: Mapping[str, Mapping[str, Any]] | None = None,
-               patterns: tuple[str, ...] = (), flag: str = "--library") -> list[RowCheck]:
+               patterns: tuple[str, ...] = (), flag: str = "--library",
+               listed_by: str | None = None) -> list[RowCheck]:
     """One check per row of the adapters at each world size, in that order (not registered: see `registered`).
     `user_configs` maps a library's name to the user's own settings (--ds-config); `patterns` (--row) keeps
-    the rows whose key matches; `flag` is the one a refusal names (--library, or --adapter for a user's adapter).
+    the rows whose key matches; `flag` is the one a refusal names (--library, or --adapter for a user's adapter);
+    `listed_by` the command a --row refusal points to (default: --list with the flag).
     Each row's skip_reason is asked here, once (an adapter's answer that is no string is a UserError)."""
     out: list[RowCheck] = []
     rows_of: list[tuple[Adapter, Row, str]] = []
@@ -104,7 +106,7 @@ def row_checks(adapters: list[Adapter], world_sizes: tuple[int, ...], *, resume:
         user_config = (user_configs or {}).get(adapter.name)
         rows_of += [(adapter, row, version) for row in adapter_rows(adapter, world_sizes, resume=resume,
                                                                      user_config=user_config)]
-    listed = f"--list {flag} {adapters[0].name if flag == '--library' and adapters else '...'}"
+    listed = listed_by or f"--list {flag} {adapters[0].name if flag == '--library' and adapters else '...'}"
     kept = set(map(id, select_rows([row for _, row, _ in rows_of], patterns, listed_by=listed)))
     for adapter, row, version in rows_of:
         if id(row) not in kept:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from moebench.errors import UserError
-from moebench.libraries import registry
+from moebench.libraries import registry, setups
 from moebench.libraries.matrix import DEFAULT_WORLD_SIZES, config_fields, row_checks, verify_libraries
 from moebench.libraries.spec import Adapter
 
@@ -36,6 +36,14 @@ class LibraryRequest:
     """--world-size (None: DEFAULT_WORLD_SIZES)."""
     ds_config: str | None = None
     """--ds-config: a DeepSpeed config file the engine rows take their settings from (implies deepspeed)."""
+    hf_config: str | None = None
+    """--hf-config: a model's config.json (implies transformers; autoep and automodel read it too)."""
+    recipe: str | None = None
+    """--recipe: an NeMo Automodel recipe YAML (implies automodel)."""
+    torchtitan_args: str | None = None
+    """--torchtitan-args: the arguments given to torchtitan.train, one string (implies torchtitan)."""
+    allow_imports: tuple[str, ...] = ()
+    """--allow-import: modules outside the framework a recipe or --torchtitan-args may name (consent to import)."""
     resume: bool = False
     """--resume: add the resume rows."""
     repro: str | None = None
@@ -56,11 +64,6 @@ class LibraryRequest:
         module = type(a).__module__  # the object's name in its class's module, as --adapter would take it
         attr = next((k for k, v in vars(sys.modules.get(module) or object()).items() if v is a), None)
         return f"{module}:{attr}" if attr else f"{module}:{type(a).__name__}"
-
-
-DS_CONFIG_READERS = {"deepspeed": "moebench.libraries.deepspeed.user_config:read_user_config",
-                     "autoep": "moebench.libraries.autoep.user_config:read_user_config"}
-"""The libraries whose rows take their settings from --ds-config, and the reader of each."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -91,24 +94,8 @@ def prepare(request: LibraryRequest, results_dir: str | None = None) -> Prepared
     """Check the request and resolve its adapters (UserError on anything wrong; nothing written)."""
     from moebench.resources import require_ranks_fit
 
-    libraries = request.libraries
-    summary_extra: dict[str, Any] = {}
-    user_configs: dict[str, Any] = {}
-    if request.ds_config is not None:
-        import importlib
-
-        takers = [n for n in DS_CONFIG_READERS if n in libraries] if libraries else ["deepspeed"]
-        if not takers:
-            raise UserError(f"verifies DeepSpeed's rows; add {' or '.join(DS_CONFIG_READERS)} to --library or drop "
-                            "--ds-config", flag="--ds-config")
-        notes: list[str] = []
-        for name in takers:  # each library's rows take what they verify from the same file
-            module, _, attr = DS_CONFIG_READERS[name].partition(":")
-            user_configs[name], more = getattr(importlib.import_module(module), attr)(request.ds_config)
-            notes += [n for n in more if n not in notes]
-        libraries = libraries or ("deepspeed",)
-        summary_extra["ds_config"] = {"path": os.path.abspath(request.ds_config),
-                                      "settings": user_configs[takers[0]], "notes": notes}
+    libraries = setups.libraries_for(request)
+    user_configs, summary_extra = setups.read(request, libraries)
     if not libraries and request.adapter is None:
         raise UserError("names no library; give --library NAME or --adapter pkg.mod:ADAPTER", flag="--library")
     sizes = DEFAULT_WORLD_SIZES if request.world_size is None else (request.world_size,)
@@ -120,8 +107,10 @@ def prepare(request: LibraryRequest, results_dir: str | None = None) -> Prepared
         user = registry.load_user(request.adapter, world_size=max(sizes), timeout_s=request.timeout_s)
         adapters.append(user)
     flag = "--adapter" if request.adapter is not None and not libraries else "--library"
+    listed = (f"--list --library {','.join(libraries)} {' '.join(setups.rerun_words(request))}"
+              if setups.given(request) else None)  # the user's rows are listed with the same setup flags
     checks = row_checks(adapters, sizes, resume=request.resume, user_configs=user_configs,
-                        patterns=request.rows, flag=flag)  # no row, or a --row matching none: refused now
+                        patterns=request.rows, flag=flag, listed_by=listed)  # no row, or a --row matching none
     if all(c.skip for c in checks):  # nothing would run: decided here, as for a world size with no rows
         first = checks[0]
         raise UserError(f"none of the {len(checks)} row(s) of {', '.join(a.name for a in adapters)} at world size "
@@ -140,11 +129,14 @@ def list_rows(request: LibraryRequest) -> list[dict[str, Any]]:
     """`--list --library NAME` / `--list --adapter X`: the rows a run would take, nothing run (each row's key, which
     --row matches, and why it would skip here, when it would)."""
     sizes = DEFAULT_WORLD_SIZES if request.world_size is None else (request.world_size,)
-    adapters = registry.require(list(request.libraries)) if request.libraries else []
+    libraries = setups.libraries_for(request)
+    user_configs, _ = setups.read(request, libraries)  # the rows of the user's own setup, when one is given
+    adapters = registry.require(list(libraries)) if libraries else []
     if request.adapter is not None:
         adapters.append(registry.load_user(request.adapter, world_size=max(sizes), timeout_s=request.timeout_s))
-    flag = "--adapter" if request.adapter is not None and not request.libraries else "--library"
-    checks = row_checks(adapters, sizes, resume=request.resume, patterns=request.rows, flag=flag)
+    flag = "--adapter" if request.adapter is not None and not libraries else "--library"
+    checks = row_checks(adapters, sizes, resume=request.resume, user_configs=user_configs, patterns=request.rows,
+                        flag=flag)
     return [{"check": c.name, "library": c.row.library, "world_size": c.row.world_size, "kind": c.row.kind,
              "skip": c.skip} for c in checks]
 
@@ -253,8 +245,7 @@ def rerun_command(prepared: Prepared, record: dict[str, Any], config) -> str:
              f"-n {record['world_size']}"]
     if "resume" in record.get("features", ()):
         words.append("--resume")
-    if request.ds_config is not None and record["library"] in DS_CONFIG_READERS:
-        words.append(f"--ds-config {shlex.quote(os.path.abspath(request.ds_config))}")
+    words += setups.rerun_words(request, record["library"])
     if config.seed:
         words.append(f"--seed {config.seed}")
     if config.tolerance != "strict":

@@ -93,14 +93,15 @@ def is_whole_suite_run(run: Run) -> bool:
 
 
 def library_identity(run: Run) -> tuple:
-    """What a library run verified, to tell runs apart: its libraries, its --ds-config, with or without the
+    """What a library run verified, to tell runs apart: its libraries, the user's setup (--ds-config, --hf-config,
+    ...), with or without the
     resume rows, the rows it was limited to (the latest run of each is the one a report shows)."""
     summary, config = _facts(run)
     names = _list(config.get("checks")) or [r.get("check", "") for r in _list(summary.get("rows"))
                                              if isinstance(r, dict)]
     libraries = tuple(sorted({str(name).split("/")[0] for name in names}))
     resume = any("resume" in str(name) for name in names)
-    return libraries, repr(summary.get("ds_config")), resume, len(names)
+    return libraries, repr(summary.get("setup", summary.get("ds_config"))), resume, len(names)
 
 
 def load_run(path: Path) -> Run:

@@ -83,3 +83,24 @@ def test_0_5_0_refuses_to_resume_the_gate_it_never_trained(tmp_path):
     assert [(r["backend"], r["verdict"]) for r in summary["rows"]] == [("torch", "refused"), ("torch_mm", "refused")]
     missing = "Missing key in checkpoint state_dict: optim.state.model.layers.0.mlp.gate.weight.step"
     assert all(missing in r["diagnosis"] for r in summary["rows"]), summary["rows"]
+
+
+def test_0_5_0_detaches_the_router_gradient_of_a_qwen3_moe_recipe(tmp_path):
+    """The same finding through a user's own launch: Automodel's published Qwen3-MoE recipe
+    (fixtures/automodel/qwen3_moe_30b_hellaswag.yaml) with Qwen3-30B-A3B's config.json, read by 0.5.0's own loader,
+    parallelized by its own parallelizer: the router gets no gradient under EP (NVIDIA-NeMo/Automodel#2995), in the
+    float32 row (exactly zero while the output is right) and the bf16 row (None while the loss is right)."""
+    from pathlib import Path
+
+    fixtures = Path(__file__).resolve().parent / "fixtures"
+    folder = side_install("nemo-automodel-0.5.0", ["nemo-automodel==0.5.0"], "nemo_automodel/__init__.py")
+    done = cli(folder, "--recipe", str(fixtures / "automodel" / "qwen3_moe_30b_hellaswag.yaml"), "--hf-config",
+               str(fixtures / "hf" / "qwen3_30b_a3b.json"), "-n", "2", "--json", results=tmp_path)
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.returncode == 1, done.stderr[-3000:]
+    summary = json.loads(done.stdout)
+    assert [(r["check"], r["version"], r["verdict"], r["diagnosis_name"]) for r in summary["rows"]] == [
+        ("automodel/qwen3_moe/torch_mm/ep=2/w2/recipe", "0.5.0", "fail", "router-detached"),
+        ("automodel/qwen3_moe/torch_mm/ep=2/w2/recipe+bf16", "0.5.0", "fail", "router-detached")]
+    assert "output right" in summary["rows"][0]["diagnosis"]
+    assert summary["setup"]["settings"]["automodel"]["ep_size"] == 8  # the recipe's, verified at 2

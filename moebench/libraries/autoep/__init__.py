@@ -81,12 +81,16 @@ class AutoEPAdapter(Adapter):
 
     def rows(self, world_size: int, *, resume: bool = False, user_config=None) -> list[Row]:
         """The matrix at `world_size` (rows.py); with `user_config` (--ds-config) one row per family with the user's
-        settings instead; `resume` adds the save -> load -> continue rows (resume.py)."""
+        settings instead, and with --hf-config the row of the user's model (its fp32 twin too when it is bf16);
+        `resume` adds the save -> load -> continue rows (resume.py)."""
         from moebench.libraries.autoep.resume import resume_rows
 
         tf = compat.transformers_version()
         if user_config is not None:
-            return [row_of(s, world_size, variant="ds-config") for s in user_matrix(world_size, user_config, tf)]
+            variant = "hf-config" if user_config.get("model") else "ds-config"
+            return [row_of(s, world_size, variant=variant if s.precision == user_config["precision"] else
+                           f"{variant}+{s.precision}", note=ep_note(user_config.get("autoep_size"), s, world_size))
+                    for s in user_matrix(world_size, user_config, tf)]
         extra = resume_rows(world_size, tf) if resume else []
         return [row_of(s, world_size) for s in matrix(world_size, tf)] + extra
 
@@ -102,8 +106,9 @@ class AutoEPAdapter(Adapter):
         if s.precision not in PRECISIONS:
             return (f"{s.precision} AutoEP rows are not built yet (they plug in with DeepSpeed's CPU {s.precision} "
                     "support: rows.HALF_PRECISIONS)")
-        if row.world_size % s.autoep_size or EXPERTS % s.autoep_size:
-            return f"autoep_size {s.autoep_size} must divide the world size {row.world_size} and the {EXPERTS} experts"
+        if row.world_size % s.autoep_size or s.num_experts % s.autoep_size:
+            return (f"autoep_size {s.autoep_size} must divide the world size {row.world_size} and the "
+                    f"{s.num_experts} experts")
         return None
 
     def repro_script(self, row: Row, seed: int) -> str | None:
@@ -111,6 +116,14 @@ class AutoEPAdapter(Adapter):
         from moebench.libraries.autoep import repro
 
         return repro.script(row, seed)
+
+
+def ep_note(asked: int | None, s, world_size: int) -> str:
+    """The row's note when the file's autoep_size cannot run at this world size (verified at W instead)."""
+    if not asked or asked == s.autoep_size:
+        return ""
+    return (f"expert_parallel.autoep_size={asked} does not divide the world size {world_size} and the "
+            f"{s.num_experts} experts: verified at autoep_size={s.autoep_size}, the largest that fits")
 
 
 ADAPTER = AutoEPAdapter()

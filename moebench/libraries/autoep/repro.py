@@ -28,4 +28,8 @@ def script(row: Row, seed: int) -> str | None:
     if row.settings.precision != "fp32":
         return None
     settings = {**dataclasses.asdict(row.settings), "world_size": row.world_size, "seed": seed}
+    if row.settings.hf_config:  # the shrunk config itself: the script does not read the user's file
+        from moebench.libraries.autoep.run import model_kwargs
+
+        settings["config"] = model_kwargs(row.settings)
     return fill("autoep_engine", settings, key=row.key())

@@ -3,6 +3,9 @@ the tiny Hugging Face model of each family (built from a config, nothing downloa
 data, the loss, the DeepSpeed config, the one-process reference step, how AutoEP's parameters map onto the
 model's own (every expert by its GLOBAL index), and the transformers shim.
 
+Over 400 lines: the repro script pastes this one file, so everything the script must rebuild (a --hf-config row's
+family and shapes included) lives here, not in an import the script cannot make.
+
 Stdlib and torch at import (transformers is imported where it is used): `--repro` pastes this file into the
 script (libraries/repro), so the script and the tool build the same model from the same seed, draw the same
 batches and print the same figures.
@@ -14,13 +17,13 @@ import re
 
 import torch
 
-from moebench.libraries.autoep.shape import EXPERTS, FAMILIES, STEPS  # noqa: F401 # @PASTED@ (the script pastes shape.py above)
+from moebench.libraries.autoep.shape import EXPERTS, FAMILIES, SEQS, STEPS  # noqa: F401 # @PASTED@ (the script pastes shape.py above)
 
 HIDDEN = 32
 FFN = 16
 """Each expert's intermediate size (and the shared experts')."""
 VOCAB = 32
-SEQS, SEQ_LEN = 4, 16
+SEQ_LEN = 16
 """One rank's micro-batch: SEQS sequences of SEQ_LEN tokens (64 tokens: at top-1 too every expert gets tokens)."""
 LR = 0.1
 """SGD's learning rate: an update (lr x gradient) stands well above the float32 rounding of the parameters."""
@@ -40,11 +43,16 @@ alike, so one legitimate flip of a near-tie cannot bend the whole gradient; the 
 reference, never the engine, so a routing bug still shows on every other token."""
 
 
-def family_config(family: str, top_k: int):
+def family_config(family: str, top_k: int, kwargs: dict | None = None):
     """The family's tiny config (one decoder layer, EXPERTS routed experts, top_k per token). At top-1 the
     Qwen3-MoE and DeepSeek-V3 rows do not normalise the routing weight (norm_topk_prob False), so their router has a
-    gradient to verify (a normalised top-1 weight is s / s = 1); Mixtral always normalises (router_gets_gradient)."""
+    gradient to verify (a normalised top-1 weight is s / s = 1); Mixtral always normalises (router_gets_gradient).
+    `kwargs`: a --hf-config row's shrunk config (the user's config.json as transformers read it, its sizes shrunk:
+    moebench.libraries.hf_config), built by transformers' own class for the family instead."""
     import transformers as hf
+
+    if kwargs is not None:
+        return hf.AutoConfig.for_model(family, **kwargs, attn_implementation="eager")
 
     common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=4,
                   num_key_value_heads=2, num_experts_per_tok=top_k, max_position_embeddings=64,
@@ -68,10 +76,21 @@ def family_config(family: str, top_k: int):
     raise ValueError(f"unknown family {family!r}")
 
 
-def router_gets_gradient(family: str, top_k: int) -> bool:
-    """False where the routing weight is normalised over a single expert (Mixtral at top-1: w = s / s = 1): the
-    router's gradient is zero in exact arithmetic and what either side computes is rounding."""
-    return not (family == "mixtral" and top_k == 1)
+def n_experts(config) -> int:
+    """The routed experts of a family's config (Mixtral, Qwen: num_local_experts / num_experts; DeepSeek-V3:
+    n_routed_experts)."""
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if getattr(config, key, None):
+            return int(getattr(config, key))
+    raise ValueError(f"{type(config).__name__} declares no number of experts")
+
+
+def router_gets_gradient(family: str, top_k: int, normalised: bool = False, aux: bool = False) -> bool:
+    """False where the routing weight is normalised over a single expert (Mixtral at top-1, or a --hf-config's
+    norm_topk_prob at top-1: w = s / s = 1) and no load-balancing loss reaches the router (`aux`: the config's
+    output_router_logits): the router's gradient is zero in exact arithmetic and what either side computes is
+    rounding."""
+    return aux or not (top_k == 1 and (family == "mixtral" or normalised))
 
 
 def model_class(family: str):
@@ -86,43 +105,58 @@ MAX_DRAWS = 64
 top-k: at most 6 draws, DeepSeek-V3 top-1; seed 0 needs one everywhere)."""
 
 
-def build(family: str, top_k: int, seed: int):
+USER_BIAS_SCALE = 0.01
+"""A --hf-config row's DeepSeek-V3 score-correction bias, N(0, 0.01^2): with 128-256 experts a token's k-th and
+(k+1)-th sigmoid scores are ~0.006 apart, so the bias moves many choices without deciding them all (at the default
+rows' 0.1 it decides them: measured with transformers' router, 80 of 256 experts never chosen)."""
+
+
+def build(family: str, top_k: int, seed: int, kwargs: dict | None = None, seqs: int = SEQS):
     """The family's model, float32, in train mode, with seeded weights: every matrix N(0, 1/fan_in) (routing and
     outputs O(1)), norms 1, DeepSeek-V3's score-correction bias N(0, 0.1^2) (so it moves the routing).
     Weights are drawn again from the same generator until every expert gets tokens on the first step's slices of
     ranks 0 and 1 (in every row's first step at any W >= 2): what every row asserts of itself (run._premises),
     chosen on this float32 model alone, never on a library's output; a few seeds need a second draw (a tiny
-    random router can leave an expert unchosen by all 128 tokens, most often DeepSeek-V3's grouped routing)."""
-    config = family_config(family, top_k)
+    random router can leave an expert unchosen by all 128 tokens, most often DeepSeek-V3's grouped routing).
+    A --hf-config row (`kwargs`, its `seqs` sequences a rank) draws its router's rows at one norm (no expert favoured
+    by the draw, so each of 128-256 experts gets its share) and the bias at USER_BIAS_SCALE."""
+    config = family_config(family, top_k, kwargs)
     torch.manual_seed(seed)
     model = model_class(family)(config).float()
     g = torch.Generator().manual_seed(seed * 7919 + 3)
+    user = kwargs is not None
     for _ in range(MAX_DRAWS):
         with torch.no_grad():
             for name, t in model.state_dict().items():
                 if not t.is_floating_point() or name.endswith("norm.weight"):
                     continue
-                scale = 0.1 if name.endswith("e_score_correction_bias") else t.shape[-1] ** -0.5
-                t.copy_(torch.randn(t.shape, generator=g) * scale)
-        if min(first_routes(model.train(), seed)) > 0:
+                bias = name.endswith("e_score_correction_bias")
+                scale = (USER_BIAS_SCALE if user else 0.1) if bias else t.shape[-1] ** -0.5
+                drawn = torch.randn(t.shape, generator=g) * scale
+                if user and name == MLP + "gate.weight":
+                    drawn = drawn / drawn.norm(dim=-1, keepdim=True)
+                t.copy_(drawn)
+        if min(first_routes(model.train(), seed, seqs)) > 0:
             return model
     raise ValueError(f"{family} top-{top_k}: no weight draw of seed {seed} routes tokens to every expert "
                      f"in {MAX_DRAWS} draws: try another --seed")
 
 
-def first_routes(model, seed: int) -> list:
+def first_routes(model, seed: int, seqs: int = SEQS) -> list:
     """Routes per expert over the first step's first micro-batch of ranks 0 and 1."""
-    routes = torch.zeros(EXPERTS, dtype=torch.long)
+    experts, vocab = n_experts(model.config), model.config.vocab_size
+    routes = torch.zeros(experts, dtype=torch.long)
     with torch.no_grad():
         for rank in (0, 1):
-            routes += torch.bincount(forward(model, batch(seed, 0, 0, rank))[1][2].reshape(-1), minlength=EXPERTS)
+            index = forward(model, batch(seed, 0, 0, rank, seqs, vocab))[1][2]
+            routes += torch.bincount(index.reshape(-1), minlength=experts)
     return routes.tolist()
 
 
-def batch(seed: int, step: int, micro: int, rank: int) -> torch.Tensor:
+def batch(seed: int, step: int, micro: int, rank: int, seqs: int = SEQS, vocab: int = VOCAB) -> torch.Tensor:
     """Rank `rank`'s token ids for optimizer step `step`, micro-step `micro` (the labels are the same ids)."""
     g = torch.Generator().manual_seed(seed * 100_003 + 1000 * step + 10 * micro + rank)
-    return torch.randint(0, VOCAB, (SEQS, SEQ_LEN), generator=g)
+    return torch.randint(0, vocab, (seqs, SEQ_LEN), generator=g)
 
 
 def loss_of(model, ids: torch.Tensor, multiplier: float = 1.0, labels: torch.Tensor | None = None) -> torch.Tensor:
@@ -132,20 +166,27 @@ def loss_of(model, ids: torch.Tensor, multiplier: float = 1.0, labels: torch.Ten
 
 
 def forward(model, ids: torch.Tensor):
-    """(logits, the router's outputs) of one forward: the router (`gate`) read by a forward hook."""
+    """(logits, the router's outputs, the load-balancing loss or None) of one forward: the router (`gate`) read by
+    a forward hook; the auxiliary loss is the model's own (`aux_loss`, computed where its config sets
+    output_router_logits)."""
     got = []
     handle = model.get_submodule(MLP + "gate").register_forward_hook(lambda module, args, out: got.append(out))
     try:
-        logits = model(input_ids=ids).logits
+        out = model(input_ids=ids)
     finally:
         handle.remove()
-    return logits, got[0]
+    return out.logits, got[0], getattr(out, "aux_loss", None)
 
 
-def hf_loss(model, logits: torch.Tensor, labels: torch.Tensor, multiplier: float = 1.0) -> torch.Tensor:
-    """The loss Hugging Face's forward computes from these logits (the model's own loss_function), times the
+def hf_loss(model, logits: torch.Tensor, labels: torch.Tensor, multiplier: float = 1.0,
+            aux: torch.Tensor | None = None) -> torch.Tensor:
+    """The loss Hugging Face's forward computes from these logits (the model's own loss_function, plus
+    router_aux_loss_coef x its load-balancing loss where the config sets output_router_logits), times the
     multiplier: what loss_of gives, from a forward already made."""
-    return model.loss_function(logits, labels, model.config.vocab_size).float() * multiplier
+    loss = model.loss_function(logits, labels, model.config.vocab_size)
+    if aux is not None and getattr(model.config, "output_router_logits", False):
+        loss = loss + model.config.router_aux_loss_coef * aux.to(loss.device)
+    return loss.float() * multiplier
 
 
 def choice_gaps(model, router_out, family: str, top_k: int) -> torch.Tensor:
@@ -153,19 +194,20 @@ def choice_gaps(model, router_out, family: str, top_k: int) -> torch.Tensor:
     score (softmax probability; DeepSeek-V3: sigmoid + score-correction bias among the experts of the groups it
     picks, and half the gap between its last picked and first unpicked group, a group score being two scores).
     `router_out`: what the model's router returned (its logits first)."""
-    logits = router_out[0].detach().float().reshape(-1, EXPERTS)
+    experts = router_out[0].shape[-1]
+    logits = router_out[0].detach().float().reshape(-1, experts)
     if family != "deepseek_v3":
         top = torch.softmax(logits, -1).sort(-1, descending=True).values
         return top[:, top_k - 1] - top[:, top_k]
     config, gate = model.config, model.get_submodule(MLP + "gate")
     scores = torch.sigmoid(logits) + gate.e_score_correction_bias.float()
-    grouped = scores.view(-1, config.n_group, EXPERTS // config.n_group)
+    grouped = scores.view(-1, config.n_group, experts // config.n_group)
     group_scores = grouped.topk(2, dim=-1).values.sum(-1)
     ranked = group_scores.sort(-1, descending=True).values
     group_gap = (ranked[:, config.topk_group - 1] - ranked[:, config.topk_group]) / 2
     picked = torch.zeros_like(group_scores, dtype=torch.bool).scatter(
         1, group_scores.topk(config.topk_group, -1).indices, True)
-    top = grouped.masked_fill(~picked.unsqueeze(-1), float("-inf")).view(-1, EXPERTS).sort(-1, descending=True).values
+    top = grouped.masked_fill(~picked.unsqueeze(-1), float("-inf")).view(-1, experts).sort(-1, descending=True).values
     return torch.minimum(top[:, top_k - 1] - top[:, top_k], group_gap)
 
 
@@ -183,7 +225,7 @@ def engine_config(s, world: int) -> dict:
     out: DeepSpeed 0.19 defaults gradient_clipping to 1.0), accumulation and precision; a config-built SGD when
     the row's optimizer is "config" or "config-list"."""
     config = {
-        "train_batch_size": SEQS * world * s.grad_accum, "train_micro_batch_size_per_gpu": SEQS,
+        "train_batch_size": s.seqs * world * s.grad_accum, "train_micro_batch_size_per_gpu": s.seqs,
         "gradient_accumulation_steps": s.grad_accum, "gradient_clipping": s.clip,
         "zero_optimization": {"stage": s.zero_stage}, "zero_allow_untested_optimizer": True,
         "expert_parallel": {"enabled": True, "autoep_size": s.autoep_size},
@@ -243,9 +285,10 @@ def reference_units(named: dict) -> dict:
     out = {}
     for name, t in named.items():
         if name == MLP + "experts.gate_up_proj":
+            ffn = t.shape[1] // 2  # FFN on the default rows; a --hf-config row's shrunk moe_intermediate_size
             for e in range(t.shape[0]):
-                out[f"{MLP}experts.gate_proj[expert {e}]"] = t[e, :FFN]
-                out[f"{MLP}experts.up_proj[expert {e}]"] = t[e, FFN:]
+                out[f"{MLP}experts.gate_proj[expert {e}]"] = t[e, :ffn]
+                out[f"{MLP}experts.up_proj[expert {e}]"] = t[e, ffn:]
         elif name == MLP + "experts.down_proj":
             for e in range(t.shape[0]):
                 out[f"{MLP}experts.down_proj[expert {e}]"] = t[e]
@@ -331,22 +374,23 @@ def reference_step(ref, s, world: int, seed: int, step: int, *, compute=None, la
     used = dict(model.named_parameters())
     per_slice = [[] for _ in range(world)]
     half = s.precision != "fp32"
-    losses, slice_losses, routes = [], [], [0] * EXPERTS
+    experts, vocab = n_experts(model.config), model.config.vocab_size
+    losses, slice_losses, routes = [], [], [0] * experts
     labels = labels or [[None] * world for _ in range(s.grad_accum)]
     for m in range(s.grad_accum):
         slice_losses.append([])
         for r in range(world):
-            ids = batch(seed, step, m, r)
-            logits, router_out = forward(model, ids)
+            ids = batch(seed, step, m, r, s.seqs, vocab)
+            logits, router_out, aux = forward(model, ids)
             if half and labels[m][r] is None:  # read off this float32 reference (never the engine)
                 labels[m][r] = tie_free_labels(ids, choice_gaps(model, router_out, s.family, s.top_k))
-            loss = hf_loss(model, logits, ids if labels[m][r] is None else labels[m][r], s.loss_multiplier)
+            loss = hf_loss(model, logits, ids if labels[m][r] is None else labels[m][r], s.loss_multiplier, aux)
             grads = torch.autograd.grad(loss, list(used.values()), allow_unused=True)
             per_slice[r].append(reference_units({n: (g if g is not None else torch.zeros_like(p)).double()
                                                  for (n, p), g in zip(used.items(), grads)}))
             slice_losses[-1].append(float(loss.detach()))
             index = router_out[2].detach()  # (tokens, top_k) expert ids: every family's router returns them third
-            routes = [a + b for a, b in zip(routes, torch.bincount(index.reshape(-1), minlength=EXPERTS).tolist())]
+            routes = [a + b for a, b in zip(routes, torch.bincount(index.reshape(-1), minlength=experts).tolist())]
         losses.append(sum(slice_losses[-1]) / world)
     grad = {u: sum(per_slice[r][m][u] for r in range(world) for m in range(s.grad_accum)) / (world * s.grad_accum)
             for u in per_slice[0][0]}

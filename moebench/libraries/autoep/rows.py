@@ -25,15 +25,12 @@ from __future__ import annotations
 import dataclasses
 
 from moebench.libraries.autoep import compat
-from moebench.libraries.autoep.shape import FAMILIES, STEPS
+from moebench.libraries.autoep.shape import CLIP, EXPERTS, FAMILIES, SEQS, STEPS
 from moebench.libraries.spec import Row, Settings
 
 NAME = "autoep"
 KIND = "autoep"
 """The row kind every AutoEP row is run by (run.py)."""
-CLIP = 0.5
-"""gradient_clipping of a clip row: the reference's unclipped global norm is 1.4-2.6 on these models and data
-(measured, every family, both steps), so the clip binds at every step (asserted in the row)."""
 HALF_PRECISIONS = ("bf16",)
 """The low precisions the matrix runs, judged by the noise model. fp16 plugs in here (with its config section in
 rowmath.engine_config and DeepSpeed's CPU fp16 support: the DeepSpeed fp16 work of issue 31)."""
@@ -68,6 +65,18 @@ class AutoEPSettings(Settings):
     steps: int = STEPS
     loss_multiplier: float = 1.0
     """The loss is multiplied by this, engine and reference alike (how a user's large gradient_clipping binds)."""
+    num_experts: int = EXPERTS
+    """Routed experts the row's model has (a --hf-config row: its file's)."""
+    seqs: int = SEQS
+    """Sequences in each rank's micro-batch (a --hf-config row grows it with its experts: user_config.seqs_for)."""
+    hf_config: str = ""
+    """A --hf-config row: its config.json's absolute path (every rank reads it again); "": the tiny family config."""
+    hf_sha256: str = ""
+    norm_topk_prob: bool = False
+    """A --hf-config row: the file's norm_topk_prob (at top-1 the router then gets no gradient: rowmath)."""
+    aux_loss: bool = False
+    """A --hf-config row: the file's output_router_logits (the model's loss adds its load-balancing loss)."""
+    """The first 16 hex digits of that file's sha256 (a rank refuses the file if it changed since)."""
 
     def features(self) -> tuple[str, ...]:
         out = []
@@ -135,20 +144,34 @@ def matrix(world_size: int, tf_version: str | None) -> list[AutoEPSettings]:
 
 def user_matrix(world_size: int, user: dict, tf_version: str | None) -> list[AutoEPSettings]:
     """--ds-config: every family at autoep_size = W (or the file's autoep_size, when it divides W) with the user's
-    ZeRO stage, clipping, accumulation, precision and data-before-expert layout."""
+    ZeRO stage, clipping, accumulation, precision and data-before-expert layout. With --hf-config (user["model"]):
+    the file's family, experts and top-k instead of the tiny families (user_config.model_rows); autoep_size must
+    also divide the experts."""
     if world_size < 2:
         return []
+    model = user.get("model")
+    experts = model["num_experts"] if model else EXPERTS
     ep = user.get("autoep_size") or world_size
-    ep = ep if ep > 1 and world_size % ep == 0 else world_size
+    fits = [e for e in ep_sizes(world_size) if experts % e == 0] or [world_size]  # largest first
+    ep = ep if ep > 1 and world_size % ep == 0 and experts % ep == 0 else fits[0]
     fields = dict(zero_stage=user["zero_stage"], autoep_size=ep, clip=user["clip"], grad_accum=user["grad_accum"],
                   precision=user["precision"], data_before_expert=bool(user.get("data_before_expert")),
                   loss_multiplier=user.get("loss_multiplier", 1.0), **_release_fields(tf_version))
-    return [AutoEPSettings(family=family, **fields) for family in FAMILIES]
+    if model is None:
+        return [AutoEPSettings(family=family, **fields) for family in FAMILIES]
+    from moebench.libraries.autoep.user_config import seqs_for
+
+    mine = AutoEPSettings(family=model["model_type"], top_k=model["top_k"], num_experts=experts,
+                          seqs=seqs_for(experts, model["top_k"]), hf_config=model["path"],
+                          hf_sha256=model["sha256"], norm_topk_prob=bool(model.get("norm_topk_prob")),
+                          aux_loss=bool(model.get("aux_loss")), **fields)
+    # bf16: its float32 twin too, judged per element (the bf16 row is judged by the noise model)
+    return [mine] + ([dataclasses.replace(mine, precision="fp32")] if mine.precision != "fp32" else [])
 
 
-def row_of(s: AutoEPSettings, world_size: int, *, variant: str | None = None) -> Row:
+def row_of(s: AutoEPSettings, world_size: int, *, variant: str | None = None, note: str = "") -> Row:
     """The Row of one setting: key autoep/<family>/zero<S>/ep=<E>/w<W>[/<features>]."""
     features = s.features()
     return Row(library=NAME, model=s.family, backend=f"zero{s.zero_stage}", ep_mode=f"ep={s.autoep_size}",
                world_size=world_size, kind=KIND, features=features, settings=s,
-               variant="+".join(features) if variant is None else variant)
+               variant="+".join(features) if variant is None else variant, note=note)

@@ -17,6 +17,9 @@ analysed on every rank (mechanisms.py) and named.
 
 A client optimizer DeepSpeed refuses is a refusal (its message); deepspeed.initialize failing is one failed line,
 named `incompatible-release` when it is the transformers 5.23+ registry (compat.py), never a traceback.
+
+Over 400 lines: one row is one story on every rank (build, hand over, read back, step, compare, analyse); the
+steps share the rank's state, and splitting them would pass it through every call.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from moebench.libraries import hf_config
 from moebench.libraries.autoep import compat
 from moebench.libraries.autoep import rowmath as rm
 from moebench.libraries.autoep.mechanisms import GroupSizes, StepView, analyse, combine, first_divergence_comparison
@@ -73,16 +77,7 @@ def registry_shim(s):
             del cls._moebench_shim
 
 
-@contextlib.contextmanager
-def quiet_transformers():
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
+quiet_transformers = hf_config.quiet
 
 
 def units_of(engine, ids_before: dict, held: list) -> dict:
@@ -183,18 +178,23 @@ def run(ctx, row: Row, opts) -> list:
         half = HALF.get(s.precision)
         if half is not None:
             ds_half.supported_or_skip(s)
-        ref = rm.build(s.family, s.top_k, opts.seed)
+        kwargs = model_kwargs(s)  # None: the family's tiny config; a --hf-config row: its file's, shrunk
+
+        def build():
+            return rm.build(s.family, s.top_k, opts.seed, kwargs, s.seqs)
+
+        ref = build()
         one = half is not None and r == 0  # the bf16 baseline's models: rank 0 computes every reference
-        master = rm.build(s.family, s.top_k, opts.seed) if one else None
-        low = rm.build(s.family, s.top_k, opts.seed).to(half) if one else None
-        live, failed = _convert(s, rm.build(s.family, s.top_k, opts.seed), w)
+        master = build() if one else None
+        low = build().to(half) if one else None
+        live, failed = _convert(s, build(), w)
         if failed is not None:
             failed.rank = r
             return [failed]
         placement = _placement(live, ref, r, w, out)
         sizes = GroupSizes(world=w, dp=w, ep=s.autoep_size, edp=w // s.autoep_size, grad_accum=s.grad_accum)
         for step in range(s.steps):
-            ref_step = _reference(r, lambda: rm.reference_step(ref, s, w, opts.seed, step))
+            ref_step = _reference(r, lambda: rm.reference_step(ref, s, w, opts.seed, step), mine=bool(s.hf_config))
             base = _reference(r, lambda: rm.reference_step(master, s, w, opts.seed, step, compute=low,
                                                            labels=ref_step.labels)) if half is not None else None
             view = _step(live, s, r, w, step, opts.seed, ref_step, base)
@@ -214,6 +214,18 @@ def run(ctx, row: Row, opts) -> list:
     if finding is not None:
         out.insert(0, first_divergence_comparison(finding, rank=r))
     return out
+
+
+def model_kwargs(s) -> dict | None:
+    """A --hf-config row's shrunk config (its file read again, refused if it changed since: hf_config.reread), with
+    the row's experts; None for a row of the tiny family configs."""
+    if not s.hf_config:
+        return None
+    from moebench.libraries.autoep.shape import FAMILIES
+    from moebench.libraries.autoep.user_config import vocab_for
+
+    setup = hf_config.reread(s.hf_config, s.hf_sha256, families=FAMILIES)
+    return {**hf_config.with_experts(setup.kwargs, s.num_experts), "vocab_size": vocab_for(s.num_experts)}
 
 
 def _convert(s, model, world: int) -> tuple[Live | None, object]:
@@ -254,7 +266,8 @@ def _train(live: Live, s, rank: int, world: int, step: int, seed: int, labels: l
 
     reduced, losses = {}, []
     for m in range(s.grad_accum):
-        loss = rm.loss_of(live.engine, rm.batch(seed, step, m, rank), s.loss_multiplier, labels[m][rank])
+        ids = rm.batch(seed, step, m, rank, s.seqs, live.engine.module.config.vocab_size)
+        loss = rm.loss_of(live.engine, ids, s.loss_multiplier, labels[m][rank])
         live.engine.backward(loss)
         total = loss.detach().double().clone()
         dist.all_reduce(total)
@@ -352,7 +365,8 @@ entry on both sides (measured: ~4e-8 x; the strict tolerance's rtol, applied to 
 
 def vanishing(s, unit: str) -> bool:
     """Whether `unit`'s gradient is zero in exact arithmetic in this row (rowmath.router_gets_gradient)."""
-    return rm.group_of(unit) == "router" and not rm.router_gets_gradient(s.family, s.top_k)
+    return rm.group_of(unit) == "router" and not rm.router_gets_gradient(s.family, s.top_k, s.norm_topk_prob,
+                                                                             s.aux_loss)
 
 
 def _vanishes(name: str, actual: torch.Tensor, expected: torch.Tensor, scale: float):
@@ -366,9 +380,12 @@ def _vanishes(name: str, actual: torch.Tensor, expected: torch.Tensor, scale: fl
                      note="" if largest <= bound else "a gradient reaches a router that should get none")
 
 
-def _reference(rank: int, step):
+def _reference(rank: int, step, mine: bool = False):
     """The reference step, computed on rank 0 alone (one process) and sent to every rank as it is (pickled
-    tensors: bit for bit), so W ranks do not each redo it on shared cores."""
+    tensors: bit for bit), so W ranks do not each redo it on shared cores. `mine`: every rank computes it itself
+    (a --hf-config row: with 128-256 experts the reference takes ~0.1 s, sending its ~4000 tensors ~3 s)."""
+    if mine:
+        return step()
     box = [step() if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]

@@ -9,8 +9,13 @@ row compares and how): the block and each family, with the loop and with torch._
 without a clip that binds. Transformer Engine's grouped experts and the DeepEP dispatcher need CUDA:
 skip rows with the reason. Release differences: api.py.
 
+`--recipe FILE` / `--hf-config FILE` replace the matrix by the rows of the user's own setup: user_setup.py reads
+the recipe through Automodel's own loader and the config.json through transformers; user_rows.py builds and runs
+them (Automodel's own meshes and parallelizer, its trainer's step, accumulation, clip and bias update).
+
 The package's files: __init__.py the adapter (rows, what cannot run here, the releases); api.py what a row builds
-and the release differences; parity.py the rows' comparisons and known-wrong references.
+and the release differences; parity.py the rows' comparisons and known-wrong references; resume.py the resume rows;
+user_setup.py and user_rows.py the user's own setup.
 """
 
 from __future__ import annotations
@@ -21,10 +26,12 @@ import os
 
 from moebench.libraries import pins
 from moebench.libraries.automodel import api
-from moebench.libraries.spec import PARITY, RESUME, Adapter, Row, Settings
+from moebench.libraries.spec import BF16, PARITY, RESUME, Adapter, Row, Settings
 
 NAME = "automodel"
 EP_MODE = "apply_ep"
+USER = "recipe"
+"""The kind of a row of the user's own setup in float32 (user_rows.KIND; its bf16 row is spec.BF16)."""
 SHARED_EXPERTS = ("block", "deepseek_v3")
 """The rows whose MoE block has a shared expert."""
 CLIP = {"block": 0.02, "deepseek_v3": 0.2, "qwen3_moe": 0.2}
@@ -81,7 +88,8 @@ class Automodel(Adapter):
     catches = ("an Automodel EP path (its all-gather, its gradient scaling or its clip norm) whose outputs, "
                "gradients or weights differ from one process")
     preload = PRELOAD
-    runners = {PARITY: "moebench.libraries.automodel.parity:run", RESUME: "moebench.libraries.automodel.resume:run"}
+    runners = {PARITY: "moebench.libraries.automodel.parity:run", RESUME: "moebench.libraries.automodel.resume:run",
+               USER: "moebench.libraries.automodel.user_rows:run", BF16: "moebench.libraries.automodel.user_rows:run"}
     timeout_s = 180.0
 
     def install_hint(self) -> str:
@@ -104,8 +112,14 @@ class Automodel(Adapter):
         return RELEASES
 
     def rows(self, world_size: int, *, resume: bool = False, user_config=None) -> list[Row]:
+        """The matrix at `world_size`; with `user_config` (--recipe / --hf-config: user_setup.py) the rows of the
+        user's own setup instead (user_rows.py)."""
         if world_size < 2:  # apply_ep asserts an EP mesh of 2 or more ranks
             return []
+        if user_config is not None:
+            from moebench.libraries.automodel.user_rows import user_rows
+
+            return user_rows(world_size, dict(user_config))
 
         def row(model, backend, clip=False):
             return Row(library=NAME, model=model, backend=backend, ep_mode=EP_MODE, world_size=world_size,
@@ -136,6 +150,9 @@ def skip_reason(row: Row) -> str | None:
     """One line why this row cannot run here, or None."""
     import torch
 
+    if row.kind in (USER, BF16):
+        return _user_skip_reason(row)
+
     if row.backend == "te":
         return ("GroupedExpertsTE needs Transformer Engine and a CUDA GPU (without CUDA Automodel's BackendConfig "
                 "rewrites experts='te' to 'torch_mm', the torch_mm row)") if not torch.cuda.is_available() else (
@@ -151,6 +168,21 @@ def skip_reason(row: Row) -> str | None:
         return (f"nemo-automodel {api.am_version()} has one experts implementation, the per-expert loop "
                 f"(no {row.backend})")
     if row.model in SHARED_EXPERTS and api.shared_experts_need_cuda():
+        return (f"nemo-automodel {api.am_version()}'s MoE.forward runs the shared experts on a torch.cuda.Stream, "
+                "which CPU torch cannot create")
+    return None
+
+
+def _user_skip_reason(row: Row) -> str | None:
+    """Why a row of the user's setup cannot run here (a release without the experts backend, or one that runs the
+    shared experts on a CUDA stream), or None."""
+    if importlib.util.find_spec("nemo_automodel.recipes._dist_utils") is None:
+        return (f"nemo-automodel {api.am_version()} has no recipes/_dist_utils.py (create_distributed_setup_from_"
+                "config, from 0.5): the rows of a recipe build Automodel's own meshes with it")
+    if row.backend != "torch" and "experts" not in api.backend_fields():
+        return (f"nemo-automodel {api.am_version()} has one experts implementation, the per-expert loop "
+                f"(no {row.backend})")
+    if row.settings.n_shared_experts and api.shared_experts_need_cuda():
         return (f"nemo-automodel {api.am_version()}'s MoE.forward runs the shared experts on a torch.cuda.Stream, "
                 "which CPU torch cannot create")
     return None

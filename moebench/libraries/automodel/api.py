@@ -213,3 +213,115 @@ def clip_grad_norm(model, mesh, max_norm: float) -> float:
 
     fn = utils.clip_grad_norm
     return float(fn(max_norm, [model], **accepted(fn, moe_mesh=mesh, ep_axis_name="ep", foreach=True)))
+
+
+# ------------------------------------------------------------------ the rows of a user's recipe / config.json
+
+MODEL_CLASSES = {"qwen3_moe": ("nemo_automodel.components.models.qwen3_moe.model", "Qwen3MoeForCausalLM"),
+                 "deepseek_v3": ("nemo_automodel.components.models.deepseek_v3.model", "DeepseekV3ForCausalLM")}
+"""The Automodel class NeMoAutoModelForCausalLM builds for each model_type the user rows take."""
+USER_VOCAB = 256
+"""A user row's vocabulary (hf_config's shrink says 16): each token id's embedding is much of a router input, and
+with 128-256 experts 16 distinct inputs leave experts without tokens (measured: 46 of Qwen3's 128 at W = 2)."""
+USER_EXTRA = {"qwen3_moe": {"vocab_size": USER_VOCAB},
+              "deepseek_v3": {"num_key_value_heads": 2, "vocab_size": USER_VOCAB}}
+"""What a user row sets beside libraries/hf_config.py's shrink of the family (the sizes its --hf-config notes
+name): DeepSeek-V3's MLA takes as many key-value heads as heads; the vocabulary USER_VOCAB."""
+MOE_SIZES = ("dim", "inter_dim", "moe_inter_dim", "shared_expert_inter_dim", "moe_latent_size")
+MOE_DTYPES = ("dtype", "gate_dtype")
+
+
+def moe_fields() -> set[str]:
+    """The installed MoEConfig's fields (what `model.moe_overrides` may set)."""
+    try:
+        from nemo_automodel.components.moe.config import MoEConfig
+    except ImportError:  # 0.2: beside the MoE layers
+        from nemo_automodel.components.moe.layers import MoEConfig
+    return {f.name for f in dataclasses.fields(MoEConfig)}
+
+
+def model_class(family: str):
+    import importlib
+
+    module, name = MODEL_CLASSES[family]
+    return getattr(importlib.import_module(module), name)
+
+
+def user_config(family: str, routing: dict[str, Any], dtype, *, q_lora_rank: int | None = None):
+    """The family's transformers config, small: libraries/hf_config.py's shrink and fixed keys of the family (the
+    sizes the --hf-config notes name) and the user's routing keys (as the file has them); every other key takes the
+    class default (they position and normalise, they do not route)."""
+    from moebench.libraries.hf_config import FAMILIES, build_config
+
+    family_spec = FAMILIES[family]
+    kwargs = {**{k: v for k, v in family_spec.shrink.items() if v is not None}, **family_spec.fixed,
+              **USER_EXTRA[family], "tie_word_embeddings": False, **routing, "dtype": str(dtype).replace("torch.", "")}
+    if family == "deepseek_v3":
+        kwargs["q_lora_rank"] = q_lora_rank
+    return build_config(family, kwargs)
+
+
+def backend_of(fields: dict[str, Any]):
+    """Automodel's own BackendConfig of the CPU fields and the user's (only those the installed release has): its
+    __post_init__ resolves what it resolves (te / gmm experts with the torch dispatcher -> torch_mm)."""
+    import logging
+
+    have = backend_fields()
+    wanted = dict(attn="sdpa", linear="torch", rope_fusion=False, enable_hf_state_dict_adapter=False,
+                  **{k: v for k, v in fields.items() if v is not None})
+    if "experts" not in have:  # 0.2 picks DeepEP by this flag
+        wanted["enable_deepep"] = False
+    level = logging.getLogger("nemo_automodel").level
+    logging.getLogger("nemo_automodel").setLevel(logging.ERROR)  # its te -> torch_mm line is the row's note
+    try:
+        return _backend_class()(**{k: v for k, v in wanted.items() if k in have})
+    finally:
+        logging.getLogger("nemo_automodel").setLevel(level)
+
+
+def build_user(family: str, routing: dict[str, Any], moe_overrides: dict[str, Any], backend: dict[str, Any],
+               seed: int, dtype=None, *, q_lora_rank: int | None = None):
+    """(model, its MoE module): Automodel's class for `family` from the small config with the user's routing keys,
+    `moe_overrides` onto the MoEConfig the class maps from the config (as NeMoAutoModelForCausalLM hands them), the
+    backend; seeded weights in `dtype` (float32 by default), identical on every rank."""
+    from unittest import mock
+
+    import torch
+
+    dtype = dtype or torch.float32
+    torch.manual_seed(seed)
+    config = user_config(family, routing, dtype, q_lora_rank=q_lora_rank)
+    with mock.patch("torch.cuda.current_device", return_value=0):  # QWEN3_PATCH (deepseek_v3 never asks)
+        built = model_class(family)(config, backend=backend_of(backend),
+                                    **({"moe_overrides": dict(moe_overrides)} if moe_overrides else {}))
+    built.initialize_weights(buffer_device=torch.device("cpu"), dtype=dtype)
+    from nemo_automodel.components.moe.layers import MoE
+
+    moe = next(m for m in built.modules() if isinstance(m, MoE))
+    with torch.no_grad():  # every expert's router row at one norm: no expert favoured by the draw (routes_of asserts)
+        weight = moe.gate.weight
+        weight.copy_(torch.nn.functional.normalize(weight.float(), dim=-1).to(weight.dtype))
+    return built, moe
+
+
+def moe_record(moe_config) -> dict[str, Any]:
+    """An MoEConfig's fields as JSON values, sizes and dtypes left out (the rows shrink them)."""
+    out = {}
+    for f in dataclasses.fields(moe_config):
+        if f.name in MOE_SIZES or f.name in MOE_DTYPES:
+            continue
+        value = getattr(moe_config, f.name)
+        out[f.name] = value if isinstance(value, (bool, int, float, str, type(None))) else str(value)
+    return out
+
+
+def resolved_moe(family: str, routing: dict[str, Any], moe_overrides: dict[str, Any]) -> tuple[dict, bool, bool]:
+    """(the MoEConfig Automodel's class builds for this config and these overrides, as JSON; whether the class
+    updates its gate bias (`update_moe_gate_bias`, which the trainer calls after each step); whether it declares
+    tensor parallelism): read off the class, built small on this process."""
+    import torch
+
+    model, moe = build_user(family, routing, moe_overrides, {"experts": "torch"}, 0, torch.float32)
+    caps = getattr(type(model), "ModelCapabilities", None)
+    return (moe_record(model.model.moe_config), hasattr(model, "update_moe_gate_bias"),
+            bool(getattr(caps, "supports_tp", False)) if caps is not None else False)

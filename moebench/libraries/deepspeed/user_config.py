@@ -256,3 +256,8 @@ def _optimizer_note(optimizer: Any) -> str:
     else:
         yours = "the optimizer your code passes to deepspeed.initialize (none in the file)"
     return f"optimizer: {yours} is replaced by SGD: {OPTIMIZER_WHY}"
+
+
+def read_setup(request) -> tuple[dict[str, Any], list[str]]:
+    """The engine rows' reader of a verify-parity request (libraries/setups.py): its --ds-config."""
+    return read_user_config(request.ds_config)

@@ -10,7 +10,9 @@ dependencies (spmd_types, tyro, docstring_parser) are the extra `torchtitan`; tr
 is not installed: imports.py.
 
 The package's files: __init__.py the adapter (rows, what cannot run here, the releases); api.py what a row builds
-and the release differences; imports.py importing torchtitan without triton; bf16.py the rows' judgement.
+and the release differences; imports.py importing torchtitan without triton; bf16.py the rows' judgement;
+user_setup.py --torchtitan-args (a user's launch read by torchtitan's ConfigManager) and train.py its training-steps
+row (accumulation, torchtitan's clip, optimizers container and load-balancing hook).
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ V02_BACKEND = "dtensor"
 """0.2's rows: no spmd backend to choose; its ExpertParallel shards the experts as DTensors."""
 SKIPPED_BACKENDS: dict[str, str] = {}
 """torchtitan 0.3's spmd backends whose rows cannot run here, and why (none since spmd_types is bridged)."""
-RELEASES = ("0.3.0 (pinned) passes but its default spmd_types backend with tp > 1 (grad-left-partial); 0.2.2 and "
-            "0.2.0 pass their EP rows (torchtitan.models.moe; TP rows skip: its apply_moe_ep_tp needs torchdata and "
-            "tensorboard); 0.1.0 has no MoE outside experiments/llama4")
+RELEASES = ("0.3.0 (pinned) passes but its default spmd_types backend with tp > 1 (grad-left-partial); 0.2.2 "
+            "passes its EP rows (torchtitan.models.moe) and, where torchdata, tensorboard and datasets import (its "
+            "apply_moe_ep_tp's module needs them), its TP rows; 0.2.0 its EP row; 0.1.0 has no MoE outside "
+            "experiments/llama4")
 """What --list says about the releases, as measured here (tests/libraries/test_torchtitan_releases.py)."""
 PRELOAD = ("moebench.libraries.torchtitan.imports", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
            "torch._dynamo", "torch._inductor.compile_fx")
@@ -44,6 +47,53 @@ class TorchtitanSettings(Settings):
     patch: str = ""
     """What the row bridges in its ranks to run on CPU ("" : nothing)."""
     dense_grads: str = "summed over the data-parallel ranks (torchtitan's FSDP, emulated)"
+
+
+TRAIN = "train"
+"""Row kind: a user row's training steps (accumulation, torchtitan's clip, its optimizers container and load
+balancing hook), train.py."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TorchtitanUserSettings(TorchtitanSettings):
+    """A row of the user's own launch (--torchtitan-args): what it runs with, each field read from the parsed
+    Trainer.Config (user_setup.py) and fitted to the world size (user_rows)."""
+
+    config: str
+    """torchtitan's --module and --config."""
+    experts: int
+    experts_user: int
+    top_k: int
+    score_func: str
+    route_norm: bool
+    route_scale: float
+    groups: int | None
+    limited_groups: int | None
+    shared_mult: int
+    """The shared expert's hidden width in routed-expert widths (0: no shared expert)."""
+    load_balance_coeff: float | None
+    dp: int
+    """data_parallel_shard_degree of the row (the ranks left over)."""
+    tp: int
+    ep: int
+    sp: bool
+    """Sequence parallel: each TP rank its slice of the positions (torchtitan's EP+TP)."""
+    ep_user: int
+    tp_user: int
+    max_norm: float
+    accum: int
+    dtype: str
+    """training.dtype: "float32" (float32 masters) or "bfloat16" (everything in bf16)."""
+    mp_param: str
+    """training.mixed_precision_param: the compute dtype with float32 masters."""
+    optimizer: str
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    steps: int = 0
+    """Optimizer steps of a train row (0: the bf16 row, one forward and backward)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,7 +122,8 @@ class Torchtitan(Adapter):
     catches = ("a torchtitan EP / TP path whose output or gradients are farther from float32 than the same module "
                "on one process in bf16")
     preload = PRELOAD
-    runners = {BF16: "moebench.libraries.torchtitan.bf16:run", RESUME: "moebench.libraries.torchtitan.resume:run"}
+    runners = {BF16: "moebench.libraries.torchtitan.bf16:run", RESUME: "moebench.libraries.torchtitan.resume:run",
+               TRAIN: "moebench.libraries.torchtitan.train:run"}
     timeout_s = 180.0
 
     def install_hint(self) -> str:
@@ -104,6 +155,8 @@ class Torchtitan(Adapter):
 
         if world_size < 2:
             return []
+        if user_config is not None:  # --torchtitan-args: the user's launch, fitted to the world size
+            return user_rows(world_size, user_config)
         triton = triton_kind()
         patch = api.V02_PATCH if api.generation() == "moe" else ""
 
@@ -114,7 +167,7 @@ class Torchtitan(Adapter):
             return Row(library=NAME, model=model, backend=backend, ep_mode=layout, world_size=world_size, kind=BF16,
                        settings=TorchtitanSettings(triton=triton, patch=bridged), features=("bf16",))
 
-        if api.generation() == "moe":  # 0.2: no spmd backends; its EP step (its TP rows skip with the reason)
+        if api.generation() == "moe":  # 0.2: no spmd backends; its EP step, and apply_moe_ep_tp's TP where it imports
             return [row(model, V02_BACKEND, layout) for layout in ("ep", "tp") for model in api.MODELS] + (
                 resume_rows(world_size, triton, patch) if resume else [])
         rows = [row(model, backend, layout) for backend in BACKENDS for layout in layouts(world_size)
@@ -165,10 +218,71 @@ def resume_rows(world_size: int, triton: str, patch: str = "") -> list[Row]:
     return rows
 
 
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def user_layout(user: dict, world_size: int) -> tuple[int, int, int, bool]:
+    """(dp_shard, tp, ep, sequence parallel) of the user's launch at `world_size`: each degree the user's where it
+    fits,
+    else the largest that does (TP dividing W; EP dividing W and the experts, a multiple of TP as torchtitan's mesh
+    borrows it from dp_shard x tp); the data-parallel degree the ranks left over."""
+    tp = max(d for d in divisors(world_size) if d <= user["tp"])
+    ep = max(d for d in divisors(world_size)
+             if d <= user["ep"] and user["experts"] % d == 0 and (d == 1 or d % tp == 0))
+    return world_size // tp, tp, ep, tp > 1 and ep > 1
+
+
+def user_rows(world_size: int, user: dict) -> list[Row]:
+    """The user's rows at `world_size`: the bf16 forward / backward row (bf16.py) and the training-steps row
+    (train.py), both at the user's MoE, layout and backend."""
+    from moebench.libraries.torchtitan.exchange import PATCH
+    from moebench.libraries.torchtitan.imports import triton_kind
+    from moebench.libraries.torchtitan.train import STEPS
+    from moebench.libraries.torchtitan.user_setup import MAX_ROW_ACCUM
+
+    dp, tp, ep, sp = user_layout(user, world_size)
+    accum = user["accum"]
+    if accum is None:  # data_parallel_shard_degree -1: the accumulation at this row's data-parallel degree
+        per_step = user["local_batch"] * dp * user["dp_replicate"]
+        accum = user["global_batch"] // per_step if user["global_batch"] % per_step == 0 else 1
+    accum = max(1, min(accum, MAX_ROW_ACCUM))
+    fields = {k: user[k] for k in ("experts", "experts_user", "top_k", "score_func", "route_norm", "route_scale",
+                                   "groups", "limited_groups", "shared_mult", "load_balance_coeff", "max_norm",
+                                   "dtype", "mp_param", "optimizer", "lr", "beta1", "beta2", "eps", "weight_decay")}
+    settings = TorchtitanUserSettings(
+        triton=triton_kind(), patch=PATCH if user["backend"] == "spmd_types" and ep > 1 else "",
+        config=f"{user['module']}:{user['config']}", dp=dp, tp=tp, ep=ep, sp=sp, ep_user=user["ep"],
+        tp_user=user["tp"], accum=accum, **fields)
+    layout = ",".join([f"ep={ep}"] * (ep > 1) + [f"tp={tp}"] * (tp > 1)) or f"dp={dp}"
+    said = [f"{what} {mine} verified at {ours}, the largest that fits {world_size} ranks"
+            for what, mine, ours in (("EP", user["ep"], ep), ("TP", user["tp"], tp)) if mine > ours]
+    note = "; ".join(said)
+    model = user["config"][:64]
+    common = dict(library=NAME, model=model, backend=user["backend"], ep_mode=layout, world_size=world_size)
+    return [Row(**common, kind=BF16, settings=settings, features=("bf16", "user"), note=note),
+            Row(**common, kind=TRAIN, settings=dataclasses.replace(settings, steps=STEPS),
+                features=("bf16", "user", "clip", *(("grad-accum",) if accum > 1 else ())), variant="train",
+                note=note)]
+
+
+def user_skip(row: Row) -> str | None:
+    from moebench.libraries.torchtitan import api
+
+    s = row.settings
+    if api.generation() != "common":
+        return f"torchtitan {api.tt_version()} has no ConfigManager to read --torchtitan-args (0.3+)"
+    if s.experts % s.ep or row.world_size != s.dp * s.tp:
+        return f"{s.experts} experts / EP {s.ep} / TP {s.tp} do not fit {row.world_size} ranks"
+    return None
+
+
 def skip_reason(row: Row) -> str | None:
     """One line why this row cannot run here, or None."""
     from moebench.libraries.torchtitan import api
 
+    if isinstance(row.settings, TorchtitanUserSettings):
+        return user_skip(row)
     if row.backend in SKIPPED_BACKENDS:
         return f"spmd_backend={row.backend}: {SKIPPED_BACKENDS[row.backend]}"
     if row.model not in api.MODELS or row.backend not in (*BACKENDS, V02_BACKEND) or row.ep_mode not in (
@@ -189,8 +303,10 @@ def skip_reason(row: Row) -> str | None:
             return (f"torchtitan {api.tt_version()}'s CheckpointManager imports its dataloader module, which imports "
                     "torchdata (not installed here: pip install torchdata)")
     if api.generation() == "moe" and row.ep_mode != "ep":
-        return (f"torchtitan {api.tt_version()}: its TP plans live in apply_moe_ep_tp "
-                "(models/llama4/infra/parallelize.py), which imports torchdata and tensorboard; only its EP step runs")
+        missing = api.v02_tp_missing()  # measured where the row runs: what apply_moe_ep_tp's import chain needs
+        if missing:
+            return (f"torchtitan {api.tt_version()}: its TP plans live in apply_moe_ep_tp ({api.V02_TP_MODULE}), "
+                    f"whose imports need {', '.join(missing)} (not installed here: pip install {' '.join(missing)})")
     return None
 
 

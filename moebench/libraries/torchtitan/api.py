@@ -52,7 +52,8 @@ V02_PATCH = ("torch.histc on expert ids -> torch.bincount (no integer histc on C
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """A row's MoE: its router and whether it has a shared expert (torchtitan's own options)."""
+    """A row's MoE: its router and whether it has a shared expert (torchtitan's own options); a user row's also its
+    number of experts, top-k and the shared expert's width in expert widths (--torchtitan-args)."""
 
     score_func: str
     route_norm: bool
@@ -60,6 +61,9 @@ class ModelSpec:
     groups: int | None
     limited_groups: int | None
     shared: bool
+    num_experts: int = NUM_EXPERTS
+    top_k: int = TOP_K
+    shared_mult: int = 1
 
 
 MODELS = {
@@ -68,6 +72,31 @@ MODELS = {
 }
 """A Mixtral/Qwen-style router, and a DeepSeek-V3-style one (sigmoid, 4 expert groups of which 2 are kept, a scale,
 one shared expert)."""
+
+
+def spec_of(row) -> ModelSpec:
+    """The row's MoE: a user row's from its settings (--torchtitan-args), else the named model's."""
+    st = row.settings
+    if hasattr(st, "experts"):
+        return ModelSpec(st.score_func, st.route_norm, st.route_scale, st.groups, st.limited_groups,
+                         st.shared_mult > 0, num_experts=st.experts, top_k=st.top_k,
+                         shared_mult=max(1, st.shared_mult))
+    return MODELS[row.model]
+
+
+LAYOUTS = {"ep": lambda w: (w, 1, w, False), "tp": lambda w: (1, w, 1, False),
+           "ep+tp": lambda w: (w // 2, 2, w, True)}
+"""The default rows' layouts -> (dp_shard, tp, ep, sequence parallel) at world size w."""
+
+
+def degrees(row) -> tuple[int, int, int, bool]:
+    """(dp_shard, tp, ep, sequence parallel) of a row: a user row's from its settings, else its named layout's."""
+    st = row.settings
+    if hasattr(st, "experts"):
+        return st.dp, st.tp, st.ep, st.sp
+    if generation() == "moe" and row.ep_mode == "tp":  # 0.2's apply_moe_ep_tp: the MoE's input is sequence-sharded
+        return 1, row.world_size, 1, True
+    return LAYOUTS[row.ep_mode](row.world_size)
 
 
 def tt_version() -> str | None:
@@ -138,7 +167,8 @@ def score_before_experts(gen: str) -> bool:
     return gen == "moe"
 
 
-def build(gen: str, model: str, enable_ep: bool, enable_sp: bool, load_balance_coeff: float | None = None):
+def build(gen: str, model: "str | ModelSpec", enable_ep: bool, enable_sp: bool,
+          load_balance_coeff: float | None = None):
     """The row's MoE module in float32 with seeded weights (seed set by the caller): identical on every rank; the
     router's redrawn at GATE_STD. `load_balance_coeff`: torchtitan's aux-loss-free load balancing (its expert bias,
     updated by its optimizers' step pre-hook)."""
@@ -150,15 +180,18 @@ def build(gen: str, model: str, enable_ep: bool, enable_sp: bool, load_balance_c
     return moe
 
 
-def _build(gen: str, model: str, enable_ep: bool, enable_sp: bool, load_balance_coeff: float | None = None):
+def _build(gen: str, model: "str | ModelSpec", enable_ep: bool, enable_sp: bool,
+           load_balance_coeff: float | None = None):
     import torch
 
-    spec = MODELS[model]
+    spec = MODELS[model] if isinstance(model, str) else model
+    experts, top_k, shared_hidden = spec.num_experts, spec.top_k, EXPERT_HIDDEN * spec.shared_mult
     if gen == "moe":
         from torchtitan.models.moe.moe import MoE, MoEArgs
 
-        args = dict(num_experts=NUM_EXPERTS, num_shared_experts=1 if spec.shared else 0, score_func=spec.score_func,
-                    route_norm=spec.route_norm, route_scale=spec.route_scale, top_k=TOP_K, use_grouped_mm=True,
+        args = dict(num_experts=experts, num_shared_experts=spec.shared_mult if spec.shared else 0,
+                    score_func=spec.score_func, route_norm=spec.route_norm, route_scale=spec.route_scale, top_k=top_k,
+                    use_grouped_mm=True,
                     load_balance_coeff=load_balance_coeff)
         if spec.groups:  # node-limited routing arrived in 0.2.1 (v02_lacks says which rows skip without it)
             args.update(num_expert_groups=spec.groups, num_limited_groups=spec.limited_groups)
@@ -179,16 +212,16 @@ def _build(gen: str, model: str, enable_ep: bool, enable_sp: bool, load_balance_
     def init(p):
         return torch.nn.init.normal_(p, std=INIT_STD)
 
-    router = make_router_config(dim=HIDDEN, num_experts=NUM_EXPERTS, gate_param_init={"weight": init}, top_k=TOP_K,
+    router = make_router_config(dim=HIDDEN, num_experts=experts, gate_param_init={"weight": init}, top_k=top_k,
                                 score_func=spec.score_func, route_norm=spec.route_norm, route_scale=spec.route_scale,
                                 num_expert_groups=spec.groups, num_limited_groups=spec.limited_groups)
     routed = RoutedExperts.Config(
-        inner_experts=GroupedExperts.Config(dim=HIDDEN, hidden_dim=EXPERT_HIDDEN, num_experts=NUM_EXPERTS,
+        inner_experts=GroupedExperts.Config(dim=HIDDEN, hidden_dim=EXPERT_HIDDEN, num_experts=experts,
                                             param_init={"w1_EFD": init, "w2_EDF": init, "w3_EFD": init}),
-        token_dispatcher=make_token_dispatcher_config(num_experts=NUM_EXPERTS, top_k=TOP_K, comm_backend="standard"))
-    shared = (make_ffn_config(dim=HIDDEN, hidden_dim=EXPERT_HIDDEN, w1_param_init={"weight": init},
+        token_dispatcher=make_token_dispatcher_config(num_experts=experts, top_k=top_k, comm_backend="standard"))
+    shared = (make_ffn_config(dim=HIDDEN, hidden_dim=shared_hidden, w1_param_init={"weight": init},
                               w2w3_param_init={"weight": init}) if spec.shared else None)
-    cfg = make_moe_config(num_experts=NUM_EXPERTS, router=router, routed_experts=routed, shared_experts=shared,
+    cfg = make_moe_config(num_experts=experts, router=router, routed_experts=routed, shared_experts=shared,
                           load_balance_coeff=load_balance_coeff)
     # The experts' TP layout torchtitan's qwen3 / deepseek_v3 pass (moe_sharding.set_moe_sharding_config's docstring).
     set_moe_sharding_config(cfg, enable_ep=enable_ep, enable_sp=enable_sp,
@@ -198,20 +231,19 @@ def _build(gen: str, model: str, enable_ep: bool, enable_sp: bool, load_balance_
     return moe
 
 
-def parallel_dims(backend: str, layout: str, world_size: int):
+def parallel_dims(backend: str, layout: str, world_size: int, degrees: tuple | None = None):
     """torchtitan's ParallelDims of a row's layout, its mesh built: "ep" (EP borrows the dp_shard axis), "tp" (no
-    EP), "ep+tp" (dp_shard = W / 2, tp = 2, EP over all W ranks)."""
+    EP), "ep+tp" (dp_shard = W / 2, tp = 2, EP over all W ranks); `degrees` (dp_shard, tp, ep, sp): a user row's."""
     from torchtitan.distributed import ParallelDims
 
-    dp, tp, ep = {"ep": (world_size, 1, world_size), "tp": (1, world_size, 1),
-                  "ep+tp": (world_size // 2, 2, world_size)}[layout]
+    dp, tp, ep = (degrees or LAYOUTS[layout](world_size))[:3]
     dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=ep, world_size=world_size,
                         spmd_backend=backend)
     dims.build_mesh()
     return dims
 
 
-def parallelize(gen: str, moe, backend: str, layout: str, world_size: int):
+def parallelize(gen: str, moe, backend: str, layout: str, world_size: int, degrees: tuple | None = None):
     """Parallelize `moe` the way torchtitan does for the layout; returns (the context its forward runs in, the TP
     degree, how an input enters it, its ParallelDims (None for 0.2)). 0.3: `moe.parallelize(ParallelDims)`
     in torchtitan's spmd context (full_dtensor takes its input as a DTensor, `full_dtensor.parallelize_inputs`;
@@ -221,6 +253,15 @@ def parallelize(gen: str, moe, backend: str, layout: str, world_size: int):
     if gen == "moe":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import parallelize_module
+
+        if layout == "tp":  # apply_moe_ep_tp itself: TP over every rank, the MoE's input sequence-sharded
+            import_v02_tp()
+            from torchtitan.models.llama4.infra.parallelize import apply_moe_ep_tp
+
+            mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+            apply_moe_ep_tp(one_block_model(moe), tp_mesh=mesh["tp"], ep_mesh=None, etp_mesh=None,
+                            ep_etp_mesh=None)
+            return contextlib.nullcontext, world_size, _plain, None
         from torchtitan.distributed.expert_parallel import ExpertParallel
 
         mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
@@ -229,7 +270,8 @@ def parallelize(gen: str, moe, backend: str, layout: str, world_size: int):
     from torchtitan.distributed import utils as dist_utils
 
     dist_utils.set_spmd_backend(backend)
-    dims = parallel_dims(backend, layout, world_size)
+    dims = parallel_dims(backend, layout, world_size, degrees)
+    sp = (degrees or LAYOUTS[layout](world_size))[3]
     context = dist_utils.get_spmd_context(parallel_dims=dims)
     with context():
         moe.parallelize(dims)
@@ -242,12 +284,66 @@ def parallelize(gen: str, moe, backend: str, layout: str, world_size: int):
     # (`full_dtensor.parallelize_inputs` wraps a model's input ids this way, without the SP sequence shard).
     mesh = dims.get_activated_mesh(["dp_replicate", "dp_shard", "cp", "tp"])
     placements = [Shard(0) if axis.startswith("dp") and mesh.size(i) > 1 else Shard(1) if axis == "tp" and
-                  layout == "ep+tp" else Replicate() for i, axis in enumerate(mesh.mesh_dim_names)]
+                  sp else Replicate() for i, axis in enumerate(mesh.mesh_dim_names)]
     return context, dims.tp, lambda x: DTensor.from_local(x, mesh, placements), dims
 
 
 def _plain(x):
     return x
+
+
+V02_TP_MODULE = "torchtitan.models.llama4.infra.parallelize"
+"""Where 0.2's apply_moe_ep_tp (its MoE TP plans) lives."""
+V02_TP_IMPORTS = ("torchdata", "tensorboard", "datasets")
+"""What that module's import chain needs beyond torch and torchtitan's MoE (measured with 0.2.2: its trainer's
+dataloader, metrics and validation modules import them); torchtitan 0.2 declares all three."""
+
+
+def v02_tp_missing() -> list[str]:
+    """What 0.2's apply_moe_ep_tp needs that is not importable here (has_module: read off the files)."""
+    if not _module_file(V02_TP_MODULE):
+        return [V02_TP_MODULE]
+    return [m for m in V02_TP_IMPORTS if not has_module(m)]
+
+
+def _module_file(name: str) -> bool:
+    """Whether torchtitan's module `name` is a file of the installed package (its folders may have no __init__.py:
+    0.2's models/llama4/infra is a namespace package)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("torchtitan")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    parts = name.split(".")[1:]
+    return any((Path(root).joinpath(*parts[:-1]) / f"{parts[-1]}.py").is_file()
+               for root in spec.submodule_search_locations)
+
+
+def import_v02_tp() -> None:
+    from moebench.libraries.torchtitan.imports import import_torchtitan
+
+    import_torchtitan(V02_TP_MODULE)
+
+
+def one_block_model(moe):
+    """torchtitan's model shape around one MoE (`layers` of blocks with `moe_enabled` and `.moe`): what its MoE
+    parallelization (0.2's apply_moe_ep_tp) and load balancing hook walk."""
+    import torch.nn as nn
+
+    class Block(nn.Module):
+        moe_enabled = True
+
+        def __init__(self, moe) -> None:
+            super().__init__()
+            self.moe = moe
+
+    class Model(nn.Module):
+        def __init__(self, moe) -> None:
+            super().__init__()
+            self.layers = nn.ModuleDict({"0": Block(moe)})
+
+    return Model(moe)
 
 
 def as_dtensor(moe, name: str, tensor, dims):

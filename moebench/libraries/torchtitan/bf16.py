@@ -47,26 +47,30 @@ PARTIAL_WHERE = ("torchtitan: the routed experts' local_map input-gradient place
                  "pytorch/torchtitan#4054")
 
 
-def reference(p: dict[str, Any], x, spec: api.ModelSpec, score_before: bool):
-    """torchtitan's MoE in float32 on one process: x [T, D] -> [T, D]."""
+def reference(p: dict[str, Any], x, spec: api.ModelSpec, score_before: bool, bias=None, counts=None):
+    """torchtitan's MoE in float32 on one process: x [T, D] -> [T, D]. `bias`: the load-balancing expert bias (it
+    chooses the experts, never weighs them); `counts`, a tensor of the experts' size: each expert's routed tokens
+    are added to it."""
     import torch
     import torch.nn.functional as F
 
     logits = x @ p["gate"].T
     scores = torch.sigmoid(logits) if spec.score_func == "sigmoid" else F.softmax(logits, dim=-1)
-    choice = scores
+    choice = scores if bias is None else scores + bias
     if spec.groups:  # node-limited routing: keep the groups whose two best experts score highest
-        grouped = choice.unflatten(-1, (spec.groups, api.NUM_EXPERTS // spec.groups))
+        grouped = choice.unflatten(-1, (spec.groups, spec.num_experts // spec.groups))
         kept = grouped.topk(2, dim=-1).values.sum(-1).topk(spec.limited_groups, dim=-1).indices
         dropped = torch.ones(grouped.shape[:-1], dtype=torch.bool).scatter(-1, kept, False)
         choice = grouped.masked_fill(dropped[..., None], float("-inf")).flatten(-2)
-    experts = choice.topk(api.TOP_K, dim=-1).indices
+    experts = choice.topk(spec.top_k, dim=-1).indices
+    if counts is not None:
+        counts += torch.bincount(experts.reshape(-1), minlength=spec.num_experts).to(counts.dtype)
     top = scores.gather(-1, experts)
     if spec.route_norm:
         top = top / (top.sum(-1, keepdim=True) + 1e-20)
     top = top * spec.route_scale
     out = torch.zeros_like(x)
-    for k in range(api.TOP_K):
+    for k in range(spec.top_k):
         e, s = experts[:, k], top[:, k:k + 1]
         xin = x * s if score_before else x
         h = F.silu(torch.einsum("td,tfd->tf", xin, p["w1"][e])) * torch.einsum("td,tfd->tf", xin, p["w3"][e])
@@ -120,9 +124,10 @@ def _run(ctx, row: Row, opts) -> list:
 
         bridge()
     r, w, layout = ctx.rank, ctx.world_size, row.ep_mode
-    spec = api.MODELS[row.model]
+    spec = api.spec_of(row)
+    dp_n, tp_n, ep_n, sp = api.degrees(row)
     torch.manual_seed(opts.seed)
-    moe = api.build(gen, row.model, enable_ep=layout != "tp", enable_sp=layout == "ep+tp")
+    moe = api.build(gen, spec, enable_ep=ep_n > 1, enable_sp=sp)
     roles = {role: name for role, name in api.names(gen).items() if role.startswith(("gate", "w")) or spec.shared}
     params32 = dict(moe.named_parameters())
     truth_params = {role: params32[name].detach().clone().requires_grad_(True) for role, name in roles.items()}
@@ -130,17 +135,15 @@ def _run(ctx, row: Row, opts) -> list:
         y_fp32_params = moe(_batch(opts.seed, 1)[0]).float()
     base = copy.deepcopy(moe).to(torch.bfloat16)  # the same module on this process alone
     moe = moe.to(torch.bfloat16)
-    context, tp, enter, dims = api.parallelize(gen, moe, row.backend, layout, w)
+    context, tp, enter, dims = api.parallelize(gen, moe, row.backend, layout, w, (dp_n, tp_n, ep_n, sp))
     dp = w // tp
     d, t = divmod(r, tp)  # the mesh is [dp_shard, tp], row-major
-    dp_group = _groups([[dd * tp + tt for dd in range(dp)] for tt in range(tp)], t) if dp > 1 else None
-    tp_group = _groups([[dd * tp + tt for tt in range(tp)] for dd in range(dp)], d) if tp > 1 else None
+    dp_group, tp_group, efsdp_group = layout_groups(w, tp, ep_n, r)
 
     x_all, t_all = _batch(opts.seed, dp)
     tokens = x_all.shape[0] * x_all.shape[1]
-    piece = slice(t * api.SEQ_LEN // tp, (t + 1) * api.SEQ_LEN // tp) if layout == "ep+tp" else slice(None)
-    mine = (slice(d * api.SEQS_PER_DP_RANK, (d + 1) * api.SEQS_PER_DP_RANK), piece)
-    replicas = tp if layout == "tp" else 1  # ranks holding the same tokens (TP without SP)
+    mine = my_tokens(d, t, tp, sp)
+    replicas = 1 if sp else tp  # ranks holding the same tokens (TP without SP)
 
     xt = x_all.reshape(tokens, -1).clone().requires_grad_(True)
     y_truth = reference(truth_params, xt, spec, api.score_before_experts(gen))
@@ -168,16 +171,19 @@ def _run(ctx, row: Row, opts) -> list:
         p, truth = run_params[name], truth_params[role].grad
         base_sums[group] += noise.sums([(base_params[name].grad, truth)])
         if group == EXPERTS:
-            missing += _experts_held(name, api.as_dtensor(moe, name, p, dims), base_params[name], ExpertLayout)
+            missing += _experts_held(name, api.as_dtensor(moe, name, p, dims), base_params[name], ExpertLayout,
+                                     spec.num_experts)
         grad = api.as_dtensor(moe, name, p.grad, dims)
         grad = grad.full_tensor() if isinstance(grad, DTensor) else grad
         if grad is None:
             missing.append(f"{name} (no gradient)")
             grad = torch.zeros_like(truth)
-        # what torchtitan's FSDP sums (a spmd_types gradient is this rank's plain local share: not summed yet)
-        if group != EXPERTS and dp_group is not None and not covers_dp(p.grad):
+        # what torchtitan's FSDP sums (a spmd_types gradient is this rank's plain local share: not summed yet): the
+        # dense parameters over the data-parallel ranks, the experts over the expert-data-parallel ones (efsdp)
+        reduce_over = (efsdp_group if ep_n > 1 else dp_group) if group == EXPERTS else dp_group
+        if reduce_over is not None and not covers_dp(p.grad):
             grad = grad.float().clone()
-            dist.all_reduce(grad, group=dp_group)
+            dist.all_reduce(grad, group=reduce_over)
         run_sums[group] += noise.sums([(grad, truth)], 1 / w)
         if group != EXPERTS and tp_group is not None:  # what the TP ranks' gradients sum to: a Partial left behind
             summed = grad.float().clone()
@@ -212,10 +218,34 @@ def _run(ctx, row: Row, opts) -> list:
 
 
 def covers_dp(grad) -> bool:
-    """True for a gradient that is a DTensor over a data-parallel axis (full_dtensor): already summed over it."""
-    from torch.distributed.tensor import DTensor
+    """True for a gradient that is a DTensor Partial over a data-parallel axis (full_dtensor's dense gradients): its
+    full_tensor() is the data-parallel sum. A gradient Replicate over one (full_dtensor's experts over efsdp) holds
+    this rank's share only, as a plain gradient does."""
+    from torch.distributed.tensor import DTensor, Partial
 
-    return isinstance(grad, DTensor) and bool(set(grad.device_mesh.mesh_dim_names or ()) & DP_AXES)
+    return isinstance(grad, DTensor) and any(
+        isinstance(placement, Partial) and axis in DP_AXES
+        for placement, axis in zip(grad.placements, grad.device_mesh.mesh_dim_names or ()))
+
+
+def layout_groups(w: int, tp: int, ep: int, r: int):
+    """(data-parallel group, TP group, expert-data-parallel group) of rank r, each None where its degree is 1: the
+    dense mesh is [dp_shard, tp] and the sparse one [efsdp, ep], both row-major over the same ranks."""
+    dp = w // tp
+    d, t = divmod(r, tp)
+    dp_group = _groups([[dd * tp + tt for dd in range(dp)] for tt in range(tp)], t) if dp > 1 else None
+    tp_group = _groups([[dd * tp + tt for tt in range(tp)] for dd in range(dp)], d) if tp > 1 else None
+    efsdp = w // ep if ep > 1 else 1
+    efsdp_group = (_groups([[f * ep + e for f in range(efsdp)] for e in range(ep)], r % ep)
+                   if ep > 1 and efsdp > 1 else None)
+    return dp_group, tp_group, efsdp_group
+
+
+def my_tokens(d: int, t: int, tp: int, sp: bool):
+    """This rank's part of the global batch [sequences, positions]: its data-parallel rank's sequences, and under
+    sequence parallelism its TP rank's slice of their positions."""
+    piece = slice(t * api.SEQ_LEN // tp, (t + 1) * api.SEQ_LEN // tp) if sp else slice(None)
+    return (slice(d * api.SEQS_PER_DP_RANK, (d + 1) * api.SEQS_PER_DP_RANK), piece)
 
 
 def _groups(member_lists: list[list[int]], mine: int):
@@ -226,7 +256,7 @@ def _groups(member_lists: list[list[int]], mine: int):
     return made[mine]
 
 
-def _experts_held(name: str, p, base_p, layout_cls) -> list[str]:
+def _experts_held(name: str, p, base_p, layout_cls, experts: int = api.NUM_EXPERTS) -> list[str]:
     """What is wrong with the experts this rank holds: under EP each local slot must be the global expert the layout
     names (contiguous over the ep mesh), with the one-process module's bf16 weights."""
     import torch
@@ -237,7 +267,7 @@ def _experts_held(name: str, p, base_p, layout_cls) -> list[str]:
     if not dims:
         return []
     mesh, dim = p.device_mesh, dims[0]  # the expert dim is sharded over one mesh axis: "ep"
-    layout = layout_cls(api.NUM_EXPERTS, mesh.size(dim))
+    layout = layout_cls(experts, mesh.size(dim))
     held = p.to_local().detach()
     ep_rank = mesh.get_local_rank(dim)
     return [f"{name}[local {i}]" for i in range(held.shape[0])

@@ -45,23 +45,8 @@ def is_expert(gen: str, name: str) -> bool:
 
 
 def _model(moe):
-    """torchtitan's model shape around the MoE (`layers` of blocks with `moe_enabled` and `.moe`): what its load
-    balancing hook walks."""
-    import torch.nn as nn
-
-    class Block(nn.Module):
-        moe_enabled = True
-
-        def __init__(self, moe) -> None:
-            super().__init__()
-            self.moe = moe
-
-    class Model(nn.Module):
-        def __init__(self, moe) -> None:
-            super().__init__()
-            self.layers = nn.ModuleDict({"0": Block(moe)})
-
-    return Model(moe)
+    """torchtitan's model shape around the MoE: what its load balancing hook walks (api.one_block_model)."""
+    return api.one_block_model(moe)
 
 
 def _make(gen: str, row: Row, layout: str, seed: int, world: int):

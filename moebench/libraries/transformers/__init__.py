@@ -57,7 +57,8 @@ PRELOAD = (
     "transformers.distributed.fsdp", "transformers.integrations.moe", "accelerate",
     "transformers.models.mixtral.modeling_mixtral", "transformers.models.qwen2_moe.modeling_qwen2_moe",
     "transformers.models.qwen3_moe.modeling_qwen3_moe", "transformers.models.olmoe.modeling_olmoe",
-    "transformers.models.deepseek_v3.modeling_deepseek_v3", "torch.distributed.fsdp", "torch.distributed.tensor",
+    "transformers.models.deepseek_v3.modeling_deepseek_v3", "transformers.models.gpt_oss.modeling_gpt_oss",
+    "torch.distributed.fsdp", "torch.distributed.tensor",
 )
 """Only what the installed release has is imported (moebench.preload): 5.17 has no distributed.expert_parallel."""
 
@@ -88,6 +89,12 @@ class TransformersAdapter(Adapter):
         return None
 
     def rows(self, world_size: int, *, resume: bool = False, user_config=None) -> list[Row]:
+        """The matrix at `world_size`; with `user_config` (--hf-config: user_setup.read) the rows of the user's
+        config.json instead; `resume` adds the resume rows."""
+        if user_config is not None:
+            from moebench.libraries.transformers.user_setup import user_rows
+
+            return user_rows(world_size, user_config)
         rows = [Row(library=NAME, model=model, backend=backend, ep_mode=mode, world_size=world_size,
                     features=("loss-curve",))
                 for model in MODELS for backend in BACKENDS for mode in EP_MODES]
@@ -122,7 +129,13 @@ def skip_reason(row: Row) -> str | None:
     """One line why this row cannot run here, or None (the adapter's skip_reason)."""
     import torch
 
-    if row.model not in MODELS:
+    from moebench.libraries.transformers.user_setup import HFConfigSettings
+    from moebench.libraries.transformers.user_setup import skip_reason as user_skip_reason
+
+    user = isinstance(row.settings, HFConfigSettings)
+    if user and user_skip_reason(row):
+        return user_skip_reason(row)
+    if row.model not in MODELS and not user:
         return f"unknown transformers model family {row.model!r}"
     if row.backend in CUDA_BACKENDS:
         if not torch.cuda.is_available():
@@ -134,7 +147,7 @@ def skip_reason(row: Row) -> str | None:
         return f"unknown expert-parallel mode {row.ep_mode!r}"
     if row.world_size < 2:
         return "expert parallelism needs world size >= 2"
-    if NUM_EXPERTS % row.world_size:
+    if not user and NUM_EXPERTS % row.world_size:
         return f"{NUM_EXPERTS} experts do not split evenly over {row.world_size} ranks"
     if api.generation() == "none":
         return (f"transformers {api.hf_version()}'s DistributedConfig has no tp_size: expert parallelism only at load "

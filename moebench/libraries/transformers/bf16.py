@@ -8,18 +8,18 @@ from typing import Any
 from moebench.libraries.spec import Row
 from moebench.libraries.transformers.api import BLOCK, distributed_config, shares_batch
 from moebench.libraries.transformers.build import (
-    SEQS_PER_RANK,
     batch,
+    block_output,
     copy,
     experts_held,
     full,
     is_expert,
     local,
-    model_classes,
     quiet,
+    shape_of,
     state_dict,
 )
-from moebench.libraries.transformers.parity import param_group
+from moebench.libraries.transformers.parity import every_expert_routed, param_group
 from moebench.parity import noise
 from moebench.parity.compare import assertion
 from moebench.parity.diagnosis import (
@@ -81,22 +81,23 @@ def _run(ctx, row: Row, opts) -> list:
     import torch.distributed as dist
 
     r, w = ctx.rank, ctx.world_size
-    config_cls, model_cls, kwargs = model_classes(row.model)
-    config = config_cls(**kwargs)
-    state = state_dict(model_cls, config, opts.seed)
+    shape = shape_of(row)
+    model_cls, config = shape.model_cls, shape.config()
+    state = state_dict(model_cls, config, opts.seed, shape, w)
     models = [model_cls.from_pretrained(None, config=config, state_dict=copy(state),
                                         experts_implementation=row.backend, **extra)
               for extra in ({}, {"dtype": torch.bfloat16},
                             {"dtype": torch.bfloat16, "distributed_config": distributed_config(row)})]
     ref, base, par = (m.train().get_submodule(BLOCK) for m in models)  # `models` keeps the whole models alive
     shared = shares_batch(row)
-    rows = slice(None) if shared else slice(r * SEQS_PER_RANK, (r + 1) * SEQS_PER_RANK)
+    n = shape.seqs_per_rank
+    rows = slice(None) if shared else slice(r * n, (r + 1) * n)
     share = 1 / w if shared else 1.0  # every rank holds the whole shared batch: counted once over the ranks
-    x_all, t_all = batch(opts.seed, 0, w)
+    x_all, t_all = batch(opts.seed, 0, w, shape)
 
     def forward_backward(block, x, t, dtype):
         x = x.detach().to(dtype).clone().requires_grad_(True)
-        y = block(x)
+        y = block_output(block, x)
         ((y.float() * t).sum() / t[..., 0].numel()).backward()  # mean over the tokens this process holds
         return y.detach().float(), x.grad.float()
 
@@ -104,7 +105,7 @@ def _run(ctx, row: Row, opts) -> list:
     y_base, gx_base = forward_backward(base, x_all, t_all, torch.bfloat16)
     y_par, gx_par = forward_backward(par, x_all[rows], t_all[rows], torch.bfloat16)
     scale = 1 if shared else w  # a rank's input gradient is of its own loss: W x the global mean's
-    out, missing = [], []
+    out, missing = ([every_expert_routed(ref, shape, x_all, r)] if shape.user else []), []
     ref_params, base_params = dict(ref.named_parameters()), dict(base.named_parameters())
     run = {g: torch.zeros(3, dtype=torch.float64) for g in (EXPERTS, ROUTER, REPLICATED)}
     baseline = {g: torch.zeros(3, dtype=torch.float64) for g in run}
@@ -115,7 +116,7 @@ def _run(ctx, row: Row, opts) -> list:
             missing.append(name)
         elif is_expert(name):  # each local slot against the global expert the layout says it holds
             held, weights = local(p.grad), local(p.detach())
-            for i, e in enumerate(experts_held(p)):
+            for i, e in enumerate(experts_held(p, shape.num_experts)):
                 if not torch.equal(weights[i], base_params[name].detach()[e]):  # bf16 weights: equal
                     missing.append(f"{name}[local {i}]")
                 else:

@@ -12,19 +12,18 @@ from moebench.libraries.spec import Row
 from moebench.libraries.transformers.api import BLOCK, distributed_kwargs, shares_batch
 from moebench.libraries.transformers.build import (
     LR,
-    NUM_EXPERTS,
     OUTPUT,
-    SEQ_LEN,
-    SEQS_PER_RANK,
     STEPS,
+    Shape,
     batch,
+    block_output,
     build,
     experts_held,
     full,
     is_expert,
     local,
-    model_classes,
     quiet,
+    shape_of,
 )
 from moebench.parity import diagnosis
 from moebench.parity.diagnosis import (
@@ -39,8 +38,9 @@ from moebench.parity.diagnosis import OUTPUT as OUTPUT_GROUP
 
 
 def param_group(name: str) -> str:
-    """A block parameter's group: its experts, its router (the gate), or the rest (shared experts, ...)."""
-    return EXPERTS if is_expert(name) else ROUTER if name.split(".")[0] == "gate" else REPLICATED
+    """A block parameter's group: its experts, its router (the gate; GPT-OSS's router), or the rest (shared
+    experts, ...)."""
+    return EXPERTS if is_expert(name) else ROUTER if name.split(".")[0] in ("gate", "router") else REPLICATED
 
 
 # What two known-wrong expert-parallel implementations would give, so a failure that matches one is named
@@ -61,7 +61,8 @@ SWAPPED_SCORES = ("scores paired wrong", "routing weights paired with the wrong 
                   "weights applied to its selected experts in the wrong order")
 
 
-def _wrong_references(ref, row: Row, rank: int, x_all, t_all) -> dict[str, tuple[Any, dict[str, Any]]]:
+def _wrong_references(ref, row: Row, rank: int, x_all, t_all,
+                      shape: Shape) -> dict[str, tuple[Any, dict[str, Any]]]:
     """label -> (input gradient, {parameter: gradient}) of the one-process block made wrong on purpose,
     on copies of it (the reference itself is untouched)."""
     import copy
@@ -72,27 +73,28 @@ def _wrong_references(ref, row: Row, rank: int, x_all, t_all) -> dict[str, tuple
 
     def run(block, label):
         x = x_all.clone().requires_grad_(True)
-        y = block(x)
+        y = block_output(block, x)
         ((y * t_all).sum() / t_all[..., 0].numel()).backward()
         grads = {n: p.grad for n, p in block.named_parameters() if p.grad is not None}
         out[label] = (x.grad, {**grads, OUTPUT: y.detach()})
 
     swapped = copy.deepcopy(ref)
-    swapped.gate.register_forward_hook(lambda module, args, output: (output[0], output[1].flip(-1), output[2]))
+    swapped.get_submodule(shape.router).register_forward_hook(
+        lambda module, args, output: (output[0], output[1].flip(-1), output[2]))
     run(swapped, SWAPPED_SCORES[0])
     cut = copy.deepcopy(ref)
     cut.experts.register_forward_pre_hook(lambda module, args: (args[0].detach(), *args[1:]))
     run(cut, NO_BACKWARD_EXCHANGE[0])
     if row.ep_mode == "all_reduce":
         local = copy.deepcopy(ref)
-        per_rank = NUM_EXPERTS // row.world_size
+        per_rank = shape.num_experts // row.world_size
 
         def routes_local_only(module, args, output):
             logits, weights, index = output
             off_rank = (index // per_rank) != rank
             return logits, weights.detach().where(off_rank, weights), index
 
-        local.gate.register_forward_hook(routes_local_only)
+        local.get_submodule(shape.router).register_forward_hook(routes_local_only)
         run(local, RANK_LOCAL[0])
         leaky = copy.deepcopy(ref)
 
@@ -112,6 +114,23 @@ def _wrong_references(ref, row: Row, rank: int, x_all, t_all) -> dict[str, tuple
     return out
 
 
+def every_expert_routed(block, shape: Shape, x, rank: int):
+    """The assertion that every expert gets tokens from the global batch, read off the one-process block's router
+    (its third output: each token's top-k expert ids), never the library's."""
+    import torch
+
+    from moebench.parity.compare import assertion
+
+    with torch.no_grad():
+        index = block.get_submodule(shape.router)(x.detach().reshape(-1, shape.hidden))[2]
+    routes = torch.bincount(index.reshape(-1), minlength=shape.num_experts)
+    none = (routes == 0).nonzero().flatten().tolist()
+    return assertion(f"every expert gets tokens (routes per expert: {int(routes.min())} to {int(routes.max())})",
+                     not none, rank=rank, group=ROUTER,
+                     note=f"experts {none[:12]}{' ...' if len(none) > 12 else ''} get none: their comparisons would "
+                     "be vacuous" if none else "")
+
+
 def run(ctx, row: Row, opts) -> list:
     """The row on this rank, with transformers' progress bars, info logs and warnings off the console."""
     with quiet():
@@ -128,9 +147,11 @@ def _run(ctx, row: Row, opts) -> list:
 
     tol, asserted = pick(opts.tolerance, strict=STRICT, seed=SEED_ALLCLOSE_DEFAULT)
     r, w = ctx.rank, ctx.world_size
-    ref, _model, par = build(row, opts.seed)
+    shape = shape_of(row)
+    ref, _model, par = build(row, opts.seed, shape)
     shared = shares_batch(row)
-    rows = slice(None) if shared else slice(r * SEQS_PER_RANK, (r + 1) * SEQS_PER_RANK)
+    n = shape.seqs_per_rank
+    rows = slice(None) if shared else slice(r * n, (r + 1) * n)
     ref_params = dict(ref.named_parameters())
     out: list = []
 
@@ -140,7 +161,7 @@ def _run(ctx, row: Row, opts) -> list:
     experts: dict[str, list[int]] = {}
     for name, p in par.named_parameters():
         if is_expert(name):  # each local slot holds the global expert the layout says, with its weights
-            experts[name] = experts_held(p)
+            experts[name] = experts_held(p, shape.num_experts)
             held = local(p.detach())
             wrong = [i for i, e in enumerate(experts[name]) if not torch.equal(held[i], ref_params[name].detach()[e])]
             out.append(assertion(f"{name}: every local expert is one of the reference's", not wrong, rank=r,
@@ -151,13 +172,15 @@ def _run(ctx, row: Row, opts) -> list:
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, foreach=False)
     curve, ref_curve, terms = [], [], 0.0
     for step in range(STEPS):
-        x_all, t_all = batch(opts.seed, step, w)
+        x_all, t_all = batch(opts.seed, step, w, shape)
         x = x_all[rows].clone().requires_grad_(True)
-        y = par(x)
+        y = block_output(par, x)
         loss = (y * t_all[rows]).sum() / t_all[rows][..., 0].numel()  # mean over the tokens this rank holds
         loss.backward()
         xr = x_all.clone().requires_grad_(True)
-        yr = ref(xr)
+        if step == 0 and shape.user:  # the row's premise: every expert gets tokens (else its comparisons are vacuous)
+            out.append(every_expert_routed(ref, shape, xr, r))
+        yr = block_output(ref, xr)
         ref_loss = (yr * t_all).sum() / t_all[..., 0].numel()  # mean over every token of the global batch
         ref_loss.backward()
         terms = max(terms, float((yr.detach() * t_all).abs().sum() / t_all[..., 0].numel()))  # of both signs
@@ -168,7 +191,7 @@ def _run(ctx, row: Row, opts) -> list:
         curve.append(float(total))
         ref_curve.append(float(ref_loss.detach()))
         if step == 0:
-            wrong = _wrong_references(ref, row, r, x_all, t_all)
+            wrong = _wrong_references(ref, row, r, x_all, t_all, shape)
             # each known-wrong reference under the diagnosis name every adapter and check uses
             named = ((NO_BACKWARD_EXCHANGE, MISSING_BACKWARD_EXCHANGE), (RANK_LOCAL, diagnosis.RANK_LOCAL),
                      (SWAPPED_SCORES, SCORES_MISPAIRED))
@@ -222,9 +245,9 @@ def _run(ctx, row: Row, opts) -> list:
 
 def repro_script(row: Row, seed: int) -> str:
     """The standalone script of a float32 row (libraries/repro, template transformers_moe.py)."""
-    config_cls, model_cls, kwargs = model_classes(row.model)
-    settings = {"config_class": config_cls.__name__, "model_class": model_cls.__name__, "config": kwargs,
-                "backend": row.backend, "distributed": distributed_kwargs(row), "shares_batch": shares_batch(row),
-                "world_size": row.world_size, "seed": seed, "steps": STEPS, "lr": LR, "block": BLOCK,
-                "seqs_per_rank": SEQS_PER_RANK, "seq_len": SEQ_LEN}
+    shape = shape_of(row)
+    settings = {"config_class": shape.config_cls.__name__, "model_class": shape.model_cls.__name__,
+                "config": shape.kwargs, "backend": row.backend, "distributed": distributed_kwargs(row),
+                "shares_batch": shares_batch(row), "world_size": row.world_size, "seed": seed, "steps": STEPS,
+                "lr": LR, "block": BLOCK, "seqs_per_rank": shape.seqs_per_rank, "seq_len": shape.seq_len}
     return fill("transformers_moe", settings, key=row.key())

@@ -33,6 +33,16 @@ def _names(run: collect.Run) -> str:
     return ", ".join(names) or "no row"
 
 
+def _setup_words(summary: dict) -> str:
+    """"; --hf-config PATH; ..." for the user's own setup the rows were built from (older runs: --ds-config)."""
+    setup = summary.get("setup")
+    given = setup.get("given") if isinstance(setup, dict) else None
+    if isinstance(given, dict):
+        return "".join(f"; {flag} {value}" for flag, value in given.items())
+    ds_config = summary.get("ds_config")
+    return f"; --ds-config {ds_config.get('path', '')}" if isinstance(ds_config, dict) else ""
+
+
 def _run_blocks(run: collect.Run, png_path: Path, *, heading: bool) -> list[Block]:
     if run.damage:  # none of its files is used: what is damaged, and no table or figure
         why = run.not_ok_reason()
@@ -43,8 +53,7 @@ def _run_blocks(run: collect.Run, png_path: Path, *, heading: bool) -> list[Bloc
     names = _names(run)
     counts = {v: sum(r.get("verdict") == v for r in rows) for v in ("pass", "fail", "skip", "refused")}
     refused = f", {counts['refused']} refused by the library" if counts["refused"] else ""
-    ds_config = f"; --ds-config {summary['ds_config'].get('path', '')}" if isinstance(summary.get("ds_config"),
-                                                                                     dict) else ""
+    ds_config = _setup_words(summary)
     blocks: list[Block] = [Heading(f"verify-parity --library {names}: {run.run_id}", 3)] if heading else []
     blocks.append(Para(
         f"verify-parity --library {run.run_id} ({names}): status {run.status}"

@@ -14,7 +14,6 @@ import copy
 import json
 import os
 import re
-import stat
 
 import torch
 
@@ -84,22 +83,9 @@ def load_ds_config(path: str) -> dict:
     input (not a regular file, > 1 MiB, not UTF-8, not an object, too deep) names the fix."""
     import hjson
 
-    try:
-        info = os.stat(path)
-        if not stat.S_ISREG(info.st_mode):
-            raise UserError(f"{path} is not a regular file; give a DeepSpeed JSON file", flag="--ds-config")
-        if info.st_size > MAX_DS_CONFIG_BYTES:
-            raise UserError(f"{path} is {info.st_size:,} bytes, more than a DeepSpeed config's "
-                            f"{MAX_DS_CONFIG_BYTES:,}; give the right file", flag="--ds-config")
-        with open(path, "rb") as f:
-            raw = f.read(MAX_DS_CONFIG_BYTES + 1)
-    except OSError as exc:
-        raise UserError(f"cannot read {path}: {exc.strerror or exc}; give a readable JSON file",
-                        flag="--ds-config") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{path} is not UTF-8 text (byte {exc.start}); give a JSON file", flag="--ds-config") from None
+    from moebench.userfiles import read_text
+
+    text = read_text(path, flag="--ds-config", kind="a DeepSpeed JSON file", max_bytes=MAX_DS_CONFIG_BYTES)
     too_deep = UserError(f"{path} nests deeper than {MAX_DS_CONFIG_DEPTH} levels; a DeepSpeed config is a few "
                          "levels deep: fix the file", flag="--ds-config")
     try:

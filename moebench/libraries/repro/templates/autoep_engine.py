@@ -43,7 +43,8 @@ TINY_EXPERT_PREFIX = "\0"  # the engine rowmath's names of the tiny DeepSpeed mo
 SETTINGS = json.loads('{"family": "mixtral", "zero_stage": 0, "autoep_size": 2, "world_size": 2}')  # @SETTINGS@
 ROW = types.SimpleNamespace(**{"top_k": 2, "grad_accum": 1, "clip": 0.0, "precision": "fp32",
                                "data_before_expert": False, "optimizer": "config", "transformers_shim": "",
-                               "steps": STEPS, "loss_multiplier": 1.0, **SETTINGS})
+                               "steps": STEPS, "loss_multiplier": 1.0, "seqs": SEQS, "config": None,
+                               "norm_topk_prob": False, "aux_loss": False, **SETTINGS})
 KINDS = ("loss", "reduced gradient", "global norm", "applied update", "parameter after the step")
 LOSS, GRAD, NORM, UPDATE, AFTER = range(len(KINDS))
 READS_NORM = ROW.clip > 0 and ROW.zero_stage > 0
@@ -55,7 +56,7 @@ INITIALIZE = "deepspeed.initialize"
 def compared(unit):
     """A unit's gradient and update are compared unless they are zero in exact arithmetic (Mixtral's router at
     top-1: its weight is normalised over one expert, w = s / s = 1), where both sides hold rounding only."""
-    return group_of(unit) != "router" or router_gets_gradient(ROW.family, ROW.top_k)
+    return group_of(unit) != "router" or router_gets_gradient(ROW.family, ROW.top_k, ROW.norm_topk_prob, ROW.aux_loss)
 
 
 def init_deepspeed(rank, world, store_path, deadline):
@@ -91,7 +92,7 @@ def engine_rank(rank, world, store_path, out, deadline):
 
         if ROW.transformers_shim and registry_needs_shim():
             install_registry_shim()
-        model = build(ROW.family, ROW.top_k, ROW.seed)
+        model = build(ROW.family, ROW.top_k, ROW.seed, ROW.config, ROW.seqs)
         kept = {id(p): n for n, p in model.named_parameters()}
         optimizer, params = client_optimizer(ROW, model)
         phase = INITIALIZE
@@ -117,7 +118,8 @@ def engine_rank(rank, world, store_path, out, deadline):
         for step in range(ROW.steps):
             before = units({n: p.detach().double().clone() for n, p in names.items()})
             for micro in range(ROW.grad_accum):
-                loss = loss_of(engine, batch(ROW.seed, step, micro, rank), ROW.loss_multiplier)
+                loss = loss_of(engine, batch(ROW.seed, step, micro, rank, ROW.seqs, model.config.vocab_size),
+                               ROW.loss_multiplier)
                 records.append((step, LOSS, f"loss (rank {rank}, micro-step {micro + 1})", "loss",
                                 loss.detach().double().reshape(1)))
                 engine.backward(loss)
@@ -154,7 +156,7 @@ def reference_rank(world, store_path, out, deadline):
         env_defaults()
         import torch
 
-        model = build(ROW.family, ROW.top_k, ROW.seed)
+        model = build(ROW.family, ROW.top_k, ROW.seed, ROW.config, ROW.seqs)
         records, steps = [], []
         phase = TRAINING
         for step in range(ROW.steps):
