@@ -102,7 +102,8 @@ def test_bad_python_values_are_user_errors(tmp_path):
 
 CLI_ONLY = {"--list", "--json", "--help", "--backend"}
 """verify-parity's options with no API argument: what to print (the API returns the document) and a hidden alias."""
-API_NAME = {"--timeout": "timeout_s", "--impl": "impls", "--row": "rows", "--json-full": "full"}
+API_NAME = {"--timeout": "timeout_s", "--impl": "impls", "--row": "rows", "--json-full": "full",
+            "--allow-import": "allow_imports"}
 """Where the argument is not the flag without its dashes."""
 
 
