@@ -85,3 +85,32 @@ def _transformers_expert_grad_x_world(set_attr: Callable) -> None:
 
 
 FAULTS["transformers-expert-grad-x-world"] = _transformers_expert_grad_x_world
+
+
+def _automodel_experts_swapped_in_checkpoint(set_attr: Callable) -> None:
+    """What Automodel's ModelState hands DCP, with each rank's local expert slots 0 and 1 swapped (a copy: the live
+    state is untouched): a checkpoint whose experts are in the wrong slots."""
+    from nemo_automodel.components.checkpoint import stateful_wrappers
+    from torch.distributed.tensor import DTensor
+
+    original = stateful_wrappers.ModelState.state_dict
+
+    def swapped(self):
+        sd = original(self)
+
+        def walk(d):
+            for key, t in list(d.items()):
+                if isinstance(t, dict):
+                    walk(t)
+                elif str(key).endswith("experts.gate_and_up_projs") and isinstance(t, DTensor) and t.dim() == 3:
+                    local = t.to_local()
+                    moved = local.clone()
+                    moved[[0, 1]] = local[[1, 0]]
+                    d[key] = DTensor.from_local(moved, t.device_mesh, t.placements)
+        walk(sd)
+        return sd
+
+    set_attr(stateful_wrappers.ModelState, "state_dict", swapped)
+
+
+FAULTS["automodel-experts-swapped-in-checkpoint"] = _automodel_experts_swapped_in_checkpoint

@@ -3,8 +3,9 @@ apply_fsdp), trained as train_ft steps (with its routing bias updated every step
 Checkpointer over DCP, every slot matched against every global expert right after the load, then continued bit for
 bit (moebench/libraries/automodel/resume.py). Known-wrong checkpoints (experts swapped in what its ModelState hands
 DCP, an Adam moment from another expert in its OptimizerState's, the step counts dropped) and a routing bias left
-rank-local (NVIDIA-NeMo/Automodel#3348 undone) are fed to the slot matcher and the uninterrupted reference by patching
-Automodel's own objects in this process (the ranks fork from it)."""
+rank-local (NVIDIA-NeMo/Automodel#3348 undone) are fed to the slot matcher and the uninterrupted reference, and a step
+wrong alike before and after the save to the one-process reference, by patching Automodel's own objects in this
+process (the ranks fork from it)."""
 
 from __future__ import annotations
 
@@ -66,6 +67,21 @@ def test_two_experts_swapped_in_the_checkpoint_are_named_slot_by_slot(monkeypatc
     assert "rank 0, local slot 0 holds global expert 1's weights; it should hold expert 0" in record["diagnosis"]
 
 
+def test_a_checkpoint_saved_at_ep_2_loads_at_ep_4_with_every_slot_restored():
+    """W = 4: saved under EP 2 (each expert on 2 ranks, Automodel's ep_shard 2), loaded under EP 4 through DCP's
+    resharding: every slot of every rank holds its global expert's weights and moments."""
+    (record,) = _rows("*/w4/resume-ep2-to-ep4", world_size=4)
+    assert record["verdict"] == "pass", record
+
+
+@pytest.mark.faults
+def test_two_experts_swapped_at_ep_2_are_named_after_the_ep_4_load(monkeypatch):
+    _swap_in_saved(monkeypatch, "ModelState", EXPERTS)
+    (record,) = _rows("*/w4/resume-ep2-to-ep4", world_size=4)
+    assert (record["verdict"], record["diagnosis_name"]) == ("fail", "permutation"), record
+    assert "rank 0, local slot 0 holds global expert 1's weights; it should hold expert 0" in record["diagnosis"]
+
+
 @pytest.mark.faults
 def test_an_adam_moment_from_another_expert_is_named(monkeypatch):
     _swap_in_saved(monkeypatch, "OptimizerState", EXPERTS + ".exp_avg")
@@ -120,9 +136,59 @@ def test_a_checkpoint_without_the_step_counts_fails_the_continuation(monkeypatch
     assert "(resumed)" in record["diagnosis"] and "vs the run that never stopped" in record["diagnosis"], record
 
 
+@pytest.mark.faults
+def test_a_step_wrong_alike_before_and_after_the_resume_fails_against_one_process(monkeypatch):
+    """The trainer's EP scaling skipped (scale_grads_and_clip_grad_norm without the MoE mesh): the resumed run still
+    equals the run that never stopped, bit for bit, so only the one-process reference sees it: the experts'
+    gradients summed over the 2 ranks instead of averaged, named."""
+    from nemo_automodel.components.training import utils
+
+    scale = utils.scale_grads_and_clip_grad_norm
+    monkeypatch.setattr(utils, "scale_grads_and_clip_grad_norm",
+                        lambda max_norm, parts, **kw: scale(max_norm, parts, **{**kw, "moe_mesh": None}))
+    (record,) = _rows()
+    assert record["verdict"] == "fail", record
+    assert "step 1 (uninterrupted): grad model.layers.0.mlp.experts" in record["diagnosis"], record["diagnosis"]
+    assert "vs one process" in record["diagnosis"] and "summed instead of averaged" in record["diagnosis"], record
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("seed", [1, 2, 3, 4, 5])
 def test_no_false_alarms_over_seeds(world_size, seed):
     records = _rows(f"*/w{world_size}/resume*", world_size, seed)
-    assert len(records) == 3 and {r["verdict"] for r in records} == {"pass"}, records
+    assert len(records) == (3 if world_size == 2 else 4) and {r["verdict"] for r in records} == {"pass"}, records
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant,world_size,fault,code,words", [
+    ("resume", 2, None, 0, "every expert slot of every rank and the routing bias restored bit for bit"),
+    ("resume-ep2-to-ep4", 4, None, 0, "ep_size 2 -> 4"),
+    ("resume", 2, "repro_faults:automodel-experts-swapped-in-checkpoint", 1,
+     "permutation: rank 0, local slot 0 holds global expert 1's weights"),
+])
+def test_the_standalone_script_reproduces_the_row(tmp_path, variant, world_size, fault, code, words):
+    """`--repro`'s script for a resume row (torch, transformers and nemo_automodel only), run from elsewhere with
+    moebench off its path: the pinned release restores every slot (exit 0), also from EP 2 to EP 4; a checkpoint with
+    two experts swapped (the fault injected into the script's own processes) is named as the tool names it (exit 1),
+    and no rank survives it."""
+    import ast
+    import sys
+
+    from test_repro import STANDALONE_MODULES, _imports, _survivors, run_script
+
+    from moebench.libraries.automodel import ADAPTER
+
+    key = f"automodel/deepseek_v3/torch_mm/apply_ep+fsdp/w{world_size}/{variant}"
+    (row,) = [r for r in ADAPTER.rows(world_size, resume=True) if r.key() == key]
+    source = ADAPTER.repro_script(row, seed=0)
+    foreign = {m for m in _imports(source) if m not in sys.stdlib_module_names} - STANDALONE_MODULES
+    assert foreign == {"nemo_automodel"}, foreign
+    ast.parse(source)
+    script = tmp_path / "repro.py"
+    script.write_text(source)
+    done, tag = run_script(script, tmp_path, fault=fault)
+    assert done.returncode == code and words in done.stdout, (done.returncode, done.stdout[-2000:],
+                                                              done.stderr[-2000:])
+    assert _survivors(tag) == []
+

@@ -3,12 +3,14 @@ hook), saved and loaded by its own CheckpointManager over DCP, every slot matche
 right after the load, then continued bit for bit with the run that never stopped (moebench/libraries/torchtitan/
 resume.py). The default backend's finding (spmd_types hands DCP the experts as plain local tensors: one rank's copy of
 each is saved) is asserted; known-wrong checkpoints (experts swapped, an Adam moment from another expert, ranks whose
-expert biases disagree, an optimizer step count dropped) are fed to the slot matcher and the uninterrupted reference
-by patching torchtitan's own objects in this process (the ranks fork from it)."""
+expert biases disagree, an optimizer step count dropped) are fed to the slot matcher and the uninterrupted reference,
+and a router wrong alike before and after the save to the one-process reference, by patching torchtitan's own objects
+in this process (the ranks fork from it)."""
 
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import pytest
 
@@ -42,6 +44,25 @@ def test_the_default_backend_saves_one_ranks_copy_of_every_expert_tensor():
     assert "local slot 0 holds global expert" in same["diagnosis"] and "it should hold expert" in same["diagnosis"]
     assert to_tp["verdict"] == "refused" and "Size mismatch between saved torch.Size([4, 32, 32])" in \
         to_tp["diagnosis"], to_tp
+
+
+def test_a_checkpoint_saved_at_ep_2_loads_at_ep_4_on_the_dtensor_backends_and_not_on_the_default():
+    """W = 4: saved under EP 2 (the experts over an expert-data-parallel axis of 2), loaded under EP 4: the DTensor
+    backends restore every slot through DCP's resharding; spmd_types' plain local tensors are refused, DCP's shape
+    check naming the saved shape (as its load under TP is)."""
+    records = {r["backend"]: r for r in _rows("*/w4/resume-ep2-to-ep4", world_size=4)}
+    assert {b: r["verdict"] for b, r in records.items()} == {"spmd_types": "refused", "partial_dtensor": "pass",
+                                                              "full_dtensor": "pass"}, records
+    assert "Size mismatch between saved torch.Size([4, 32, 32]) and current: torch.Size([2, 32, 32])" in \
+        records["spmd_types"]["diagnosis"]
+
+
+@pytest.mark.faults
+def test_two_experts_swapped_at_ep_2_are_named_after_the_ep_4_load(monkeypatch):
+    _swap_experts_in_saved(monkeypatch, "model", W1)
+    (record,) = _rows("*/partial_dtensor/ep/w4/resume-ep2-to-ep4", world_size=4)
+    assert (record["verdict"], record["diagnosis_name"]) == ("fail", "permutation"), record
+    assert "rank 0, local slot 0 holds global expert 1's weights" in record["diagnosis"], record["diagnosis"]
 
 
 def _swap_experts_in_saved(monkeypatch, where: str, key_part: str):
@@ -134,12 +155,43 @@ def test_a_checkpoint_without_the_optimizers_step_count_fails_the_continuation(m
     assert "(resumed)" in record["diagnosis"] and "vs the run that never stopped" in record["diagnosis"], record
 
 
+def test_the_run_that_never_stopped_is_one_process_step_by_step():
+    """Every step's router and expert gradients within the noise model of torchtitan's module on one process, the
+    shared expert's float32-exact, the expert bias after the hook's update exact, at every step of the row."""
+    (record,) = _rows("*/partial_dtensor/ep/w2/resume")
+    assert record["verdict"] == "pass", record
+
+
+@pytest.mark.faults
+def test_a_router_wrong_alike_before_and_after_the_save_fails_against_one_process(monkeypatch):
+    """torchtitan's router passing back half its scores' gradient: the resumed run equals the run that never stopped
+    bit for bit, so only the one-process reference sees it: torchtitan's own module no longer has the mathematics'
+    router gradient (its one-process baseline shares the fault, so the noise model's ratio alone would not)."""
+    from moebench.libraries.torchtitan import api
+
+    api.load()
+    from torchtitan.models.common import moe
+
+    forward = moe.TokenChoiceTopKRouter.forward
+
+    def half_gradient(self, *args, **kwargs):  # the same scores forward, half their gradient backward
+        scores, ids, all_scores = forward(self, *args, **kwargs)
+        return 0.5 * scores + 0.5 * scores.detach(), ids, all_scores
+
+    monkeypatch.setattr(moe.TokenChoiceTopKRouter, "forward", half_gradient)
+    (record,) = _rows("*/partial_dtensor/ep/w2/resume")
+    assert record["verdict"] == "fail", record
+    assert record["diagnosis_name"] == "one-process-differs", record["diagnosis"]
+    assert re.search(r"at step 1 torchtitan's router gradient is 0\.50?\d* from float32 \(x 0\.(49|50)",
+                     record["diagnosis"]), record["diagnosis"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("seed", [1, 2, 3, 4, 5])
 def test_no_false_alarms_over_seeds(world_size, seed):
     records = _rows(f"*/*dtensor/ep/w{world_size}/resume*", world_size, seed)
-    assert len(records) == 4 and {r["verdict"] for r in records} == {"pass"}, records
+    assert len(records) == (4 if world_size == 2 else 6) and {r["verdict"] for r in records} == {"pass"}, records
 
 
 @pytest.mark.slow

@@ -68,6 +68,8 @@ class AutomodelResumeSettings(Settings):
     continue_steps: int
     load_ep_mode: str = "apply_ep+fsdp"
     """The layout the checkpoint is loaded under: the saved one, or "fsdp" (no EP: FSDP shards the experts)."""
+    save_ep: int = 0
+    """The EP degree the checkpoint is saved under (0: every rank); loaded under EP over every rank (DCP reshards)."""
     dense_grads: str = "averaged over the ranks by apply_fsdp (FSDP2), as the recipes parallelize"
     checkpoint: str = "Checkpointer.save_model / save_optimizer / load_model / load_optimizer, torch_save (DCP)"
     torch_compile: str = api.TORCH_COMPILE
@@ -140,10 +142,34 @@ class Automodel(Adapter):
                             world_size=world_size, kind=RESUME, features=("resume",), variant="resume-to-noep",
                             settings=AutomodelResumeSettings(save_steps=SAVE_STEPS, continue_steps=0,
                                                              load_ep_mode="fsdp")))
+            if world_size >= 4 and world_size % 2 == 0:  # EP W/2 -> W: Automodel reshards through DCP
+                half = world_size // 2
+                rows.append(Row(library=NAME, model="deepseek_v3", backend="torch_mm", ep_mode="apply_ep+fsdp",
+                                world_size=world_size, kind=RESUME, features=("resume",),
+                                variant=f"resume-ep{half}-to-ep{world_size}",
+                                settings=AutomodelResumeSettings(save_steps=SAVE_STEPS, continue_steps=0,
+                                                                 save_ep=half)))
         return rows
 
     def skip_reason(self, row: Row) -> str | None:
         return skip_reason(row)
+
+    def repro_script(self, row: Row, seed: int) -> str | None:
+        """A standalone script reproducing a resume row's save and load (templates/automodel_resume.py: torch,
+        transformers and nemo_automodel); None for the other rows."""
+        if row.kind != RESUME or skip_reason(row) is not None:
+            return None
+        from moebench.libraries.automodel.resume import LR, SAVE_STEPS
+        from moebench.libraries.repro import fill
+
+        s = row.settings
+        settings = {"world": row.world_size, "seed": seed, "backend": row.backend,
+                    "save_ep": s.save_ep or row.world_size,
+                    "load_ep": 1 if s.load_ep_mode == "fsdp" else row.world_size,
+                    "hidden": api.HIDDEN, "expert_intermediate": api.EXPERT_INTERMEDIATE, "top_k": api.TOP_K,
+                    "experts": api.NUM_EXPERTS, "vocab": api.VOCAB, "lr": LR, "save_steps": SAVE_STEPS,
+                    "seqs_per_rank": api.SEQS_PER_RANK, "seq_len": api.SEQ_LEN}
+        return fill("automodel_resume", settings, key=row.key())
 
 
 def skip_reason(row: Row) -> str | None:

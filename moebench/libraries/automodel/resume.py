@@ -29,20 +29,20 @@ FRESH_SEED_OFFSET = 7919
 BIAS = "e_score_correction_bias"
 
 
-def _make(row: Row, seed: int, world: int, ep: bool = True):
-    """(model, optimizer, EP mesh or None) of one side: built, `apply_ep` (unless `ep` is off: the load of
-    `resume-to-noep`), `apply_fsdp` (float32 throughout; without EP, FSDP shards the experts' dim over the ranks)."""
+def _make(row: Row, seed: int, world: int, ep_size: int):
+    """(model, optimizer, EP mesh or None) of one side: built, then parallelized by Automodel's own parallelizer from
+    a recipe's `distributed:` section (fsdp2, `ep_size`, float32 mixed precision; ep_size 1: no EP, the load of
+    `resume-to-noep`, where FSDP shards the experts' dim over the ranks), as its recipes do: apply_ep, apply_fsdp."""
+    import types
+
     import torch
-    from nemo_automodel.components.moe.parallelizer import apply_fsdp
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from moebench.libraries.automodel.user_rows import _parallelize
 
     model, _ = api.build(row.model, row.backend, seed)
-    mesh = api.ep_mesh(world)
-    if ep:
-        api.apply_ep(model, mesh)
-    apply_fsdp(model, mesh["ep"], ep_enabled=ep, ep_shard_enabled=False,
-               mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32))
-    return model, torch.optim.Adam(model.parameters(), lr=LR, foreach=False), mesh if ep else None
+    layout = types.SimpleNamespace(ep_size=ep_size, activation_checkpointing="off", dp_replicate_size=None)
+    _, moe_mesh = _parallelize(model, layout, world, fp32=True)
+    return model, torch.optim.Adam(model.parameters(), lr=LR, foreach=False), moe_mesh
 
 
 def _checkpointer(folder: str, rank: int, mesh):
@@ -63,12 +63,16 @@ def _batch(seed: int, step: int, world: int):
             torch.randint(api.VOCAB, (n, api.SEQ_LEN), generator=g))
 
 
-def _train(side, step: int, seed: int, rank: int, world: int) -> None:
-    """One training step as train_ft takes it, on this rank's sequences."""
+def _train(side, step: int, seed: int, rank: int, world: int, grads: dict | None = None) -> None:
+    """One training step as train_ft takes it, on this rank's sequences; `grads` (a dict) gets every parameter's
+    whole gradient after the trainer's scaling, before the optimizer's step (a collective)."""
     import torch.nn.functional as F
+
+    from moebench.libraries.automodel.user_rows import aux_scale
 
     model, optimizer, mesh = side
     inputs, targets = _batch(seed, step, world)
+    aux_scale(1.0)  # the trainer's, at one micro-batch a step (the one-process run sets its own)
     mine = slice(rank * api.SEQS_PER_RANK, (rank + 1) * api.SEQS_PER_RANK)
     out = model(inputs[mine])
     logits = getattr(out, "logits", out)
@@ -76,10 +80,46 @@ def _train(side, step: int, seed: int, rank: int, world: int) -> None:
                            reduction="sum") / targets.numel()
     (loss * world).backward()  # train_ft: (local_loss * dp_group_size).backward(); FSDP averages over dp
     api.scale_grads(model, mesh, world)
+    if grads is not None:
+        grads.update({n: _whole(p.grad) for n, p in model.named_parameters() if p.grad is not None})
     optimizer.step()
     optimizer.zero_grad()
     if hasattr(model, "update_moe_gate_bias"):
         model.update_moe_gate_bias()
+
+
+def _one_process_step(row: Row, state: dict, seed: int, step: int, world: int) -> dict[str, Any]:
+    """One step's gradients on one process from the uninterrupted run's weights and routing bias before it (`state`,
+    whole tensors): the model with nothing parallelized, each rank's sequences a forward and backward of their own
+    (Automodel's gate computes its aux loss and expert load per forward; the trainer averages the aux loss over the
+    ranks), loss = the cross-entropy sum / the global token count; then update_moe_gate_bias() from the load of every
+    rank's tokens. -> {"grads": {name: gradient}, "bias": {BIAS: the bias after the update}}. Gradients, not weights
+    after Adam: Adam's first steps turn a float32 rounding difference of a near-zero gradient into up to lr."""
+    import torch
+    import torch.nn.functional as F
+
+    from moebench.libraries.automodel.user_rows import aux_scale
+
+    model, _ = api.build(row.model, row.backend, seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(state["weights"][name])
+        if BIAS in state["bias"]:
+            _bias(model).copy_(state["bias"][BIAS])
+    inputs, targets = _batch(seed, step, world)
+    aux_scale(1 / world)
+    for r in range(world):
+        mine = slice(r * api.SEQS_PER_RANK, (r + 1) * api.SEQS_PER_RANK)
+        out = model(inputs[mine])
+        logits = getattr(out, "logits", out)
+        (F.cross_entropy(logits.reshape(-1, api.VOCAB).float(), targets[mine].reshape(-1), reduction="sum")
+         / targets.numel()).backward()
+    grads = {n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+             for n, p in model.named_parameters()}
+    if hasattr(model, "update_moe_gate_bias"):
+        model.update_moe_gate_bias()
+    bias = _bias(model)
+    return {"grads": grads, "bias": {} if bias is None else {BIAS: bias.detach().clone()}}
 
 
 def _whole(t):
@@ -197,9 +237,12 @@ def _run(ctx, row: Row, opts) -> list:
 
     r, w = ctx.rank, ctx.world_size
     out: list = []
-    a = _make(row, opts.seed, w)
+    to_noep = getattr(row.settings, "load_ep_mode", "apply_ep+fsdp") == "fsdp"
+    save_ep, load_ep = getattr(row.settings, "save_ep", 0) or w, 1 if to_noep else w
+    against: list = []  # the uninterrupted run against one process: kept aside, after the resume's comparisons
+    a = _make(row, opts.seed, w, save_ep)
     for step in range(SAVE_STEPS):
-        _train(a, step, opts.seed, r, w)
+        against += _step_against_one_process(row, a, step, opts.seed, r, w)
         out.append(_biases_agree(a, r, f"step {step + 1}"))
     saved = _state(a)
     moved = BIAS in saved["bias"] and bool(saved["bias"][BIAS].abs().sum() > 0)
@@ -210,8 +253,7 @@ def _run(ctx, row: Row, opts) -> list:
         _checkpointer(str(folder), r, a[2]).save_model(a[0], path)
         _checkpointer(str(folder), r, a[2]).save_optimizer(a[1], a[0], path)
         torch.distributed.barrier()
-        to_noep = getattr(row.settings, "load_ep_mode", "apply_ep+fsdp") == "fsdp"
-        b = _make(row, opts.seed + FRESH_SEED_OFFSET, w, ep=not to_noep)
+        b = _make(row, opts.seed + FRESH_SEED_OFFSET, w, load_ep)
         fresh = _state(b)
         from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: every rank's errors
 
@@ -224,11 +266,11 @@ def _run(ctx, row: Row, opts) -> list:
 
             raise Refused(f"Checkpointer.load refused it: {refusal(exc)}") from None
     out += restore_comparisons(_findings(b, saved, fresh, r, w), r)
-    if to_noep:
-        return out  # another layout: what it restored is what is asked of it
+    if load_ep != save_ep:
+        return out + against  # another layout: what it restored is what is asked of it
     experts = _expert_names(a[0])
     for step in range(SAVE_STEPS, SAVE_STEPS + CONTINUE_STEPS):
-        _train(a, step, opts.seed, r, w)
+        against += _step_against_one_process(row, a, step, opts.seed, r, w)
         _train(b, step, opts.seed, r, w)
         kept, resumed = _state(a), _state(b)
         for name, t in resumed["weights"].items():
@@ -238,4 +280,24 @@ def _run(ctx, row: Row, opts) -> list:
         if BIAS in kept["bias"]:
             out.append(compare(f"step {step + 1} (resumed): the routing bias vs the run that never stopped",
                                resumed["bias"][BIAS], kept["bias"][BIAS], EXACT, rank=r, group=ROUTER))
+    return out + against
+
+
+def _step_against_one_process(row: Row, a, step: int, seed: int, rank: int, world: int) -> list:
+    """One step of the uninterrupted run, its gradients (after the trainer's scaling) and its routing bias after the
+    update against one process from the same weights and bias (_one_process_step), strictly."""
+    from moebench.parity.compare import STRICT, compare
+    from moebench.parity.diagnosis import EXPERTS, REPLICATED, ROUTER
+
+    before, grads = _state(a), {}
+    one = _one_process_step(row, before, seed, step, world)
+    _train(a, step, seed, rank, world, grads=grads)
+    experts, out = _expert_names(a[0]), []
+    for name, g in grads.items():
+        group = EXPERTS if name in experts else ROUTER if ".gate." in name else REPLICATED
+        out.append(compare(f"step {step + 1} (uninterrupted): grad {name} vs one process", g, one["grads"][name],
+                           STRICT, rank=rank, group=group))
+    if BIAS in one["bias"]:
+        out.append(compare(f"step {step + 1} (uninterrupted): the routing bias after the update vs one process",
+                           _whole(_bias(a[0])), one["bias"][BIAS], STRICT, rank=rank, group=ROUTER))
     return out

@@ -336,7 +336,7 @@ def _ce_sum(model, inputs, targets, vocab: int):
     return logits, F.cross_entropy(logits.reshape(-1, vocab).float(), targets.reshape(-1), reduction="sum")
 
 
-def _aux_scale(value: float) -> None:
+def aux_scale(value: float) -> None:
     """The trainer's MoEAuxLossAutoScaler.main_loss_backward_scale (base_recipe._set_moe_aux_loss_backward_scale)."""
     import torch
     from nemo_automodel.components.moe.megatron.moe_utils import MoEAuxLossAutoScaler
@@ -354,7 +354,7 @@ def _parallel_step(model, s: RecipeSettings, batches, r: int, w: int, tokens: in
     """Every micro-batch of one step on this rank, as train_ft runs them: (the summed local loss, the first
     micro-batch's output)."""
     rows = slice(r * s.seqs_per_rank, (r + 1) * s.seqs_per_rank)
-    _aux_scale(s.loss_multiplier / s.grad_acc_steps)
+    aux_scale(s.loss_multiplier / s.grad_acc_steps)
     _prepare(model, final=False)
     total, first = 0.0, None
     for m, (inputs, targets) in enumerate(batches):
@@ -375,7 +375,7 @@ def _reference_step(ref, s: RecipeSettings, batches, w: int, tokens: int, vocab:
     known-wrong references)."""
     import torch
 
-    _aux_scale(s.loss_multiplier / (s.grad_acc_steps * w))
+    aux_scale(s.loss_multiplier / (s.grad_acc_steps * w))
     total, outputs, deltas = 0.0, [], {}
     params = [(n, p) for n, p in ref.named_parameters() if ".experts." not in f".{n}"]
     for m, (inputs, targets) in enumerate(batches):

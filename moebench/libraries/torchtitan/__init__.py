@@ -105,6 +105,9 @@ class TorchtitanResumeSettings(TorchtitanSettings):
     continue_steps: int
     load_balance_coeff: float
     """torchtitan's aux-loss-free load balancing: its expert bias is state the checkpoint must carry."""
+    save_ep: int = 0
+    """The EP degree the checkpoint is saved under (0: every rank); below the world size the experts keep an
+    expert-data-parallel axis (efsdp = W / save_ep), and the load under EP over every rank reshards through DCP."""
 
 
 def layouts(world_size: int) -> list[str]:
@@ -182,9 +185,10 @@ class Torchtitan(Adapter):
 
     def repro_script(self, row: Row, seed: int) -> str | None:
         """A standalone script reproducing a resume row's restore (templates/torchtitan_resume.py); None for the
-        bf16 rows (their noise-model judgement needs the one-process bf16 baseline a script has not got)."""
-        if row.kind != RESUME or skip_reason(row) is not None:
-            return None
+        bf16 rows (their noise-model judgement needs the one-process bf16 baseline a script has not got) and the
+        EP W/2 -> W rows."""
+        if row.kind != RESUME or skip_reason(row) is not None or row.settings.save_ep:
+            return None  # (the script saves and loads in one layout: not the EP W/2 -> W rows)
         from moebench.libraries.repro import fill
         from moebench.libraries.torchtitan import api
         from moebench.libraries.torchtitan.resume import LOAD_BALANCE_COEFF, LR, SAVE_STEPS
@@ -198,8 +202,9 @@ class Torchtitan(Adapter):
 
 
 def resume_rows(world_size: int, triton: str, patch: str = "") -> list[Row]:
-    """0.3: every backend at the same layout (EP over every rank) and loaded under TP (no EP: DCP reshards); 0.2: its
-    EP step, at the same layout and loaded into the module with no parallelism ("none": DCP gathers the experts)."""
+    """0.3: every backend at the same layout (EP over every rank), loaded under TP (no EP: DCP reshards) and, from 4
+    ranks, saved under EP W/2 and loaded under EP W; 0.2: its EP step, at the same layout and loaded into the module
+    with no parallelism ("none": DCP gathers the experts)."""
     from moebench.libraries.torchtitan import api
     from moebench.libraries.torchtitan.exchange import PATCH
     from moebench.libraries.torchtitan.resume import CONTINUE_STEPS, LOAD_BALANCE_COEFF, SAVE_STEPS
@@ -215,6 +220,14 @@ def resume_rows(world_size: int, triton: str, patch: str = "") -> list[Row]:
             rows.append(Row(library=NAME, model="sigmoid-grouped+shared", backend=backend, ep_mode="ep",
                             world_size=world_size, kind=RESUME, settings=settings, features=("resume",),
                             variant="resume" if load == "ep" else f"resume-to-{load}"))
+        if not v02 and world_size >= 4 and world_size % 2 == 0:  # EP W/2 (efsdp 2) -> EP W: DCP reshards
+            half = world_size // 2
+            settings = TorchtitanResumeSettings(
+                triton=triton, patch=PATCH if backend == "spmd_types" else patch, load_ep_mode="ep",
+                save_steps=SAVE_STEPS, continue_steps=0, load_balance_coeff=LOAD_BALANCE_COEFF, save_ep=half)
+            rows.append(Row(library=NAME, model="sigmoid-grouped+shared", backend=backend, ep_mode="ep",
+                            world_size=world_size, kind=RESUME, settings=settings, features=("resume",),
+                            variant=f"resume-ep{half}-to-ep{world_size}"))
     return rows
 
 

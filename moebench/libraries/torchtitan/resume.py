@@ -31,6 +31,10 @@ LR = 1e-2
 LOAD_BALANCE_COEFF = 1e-2
 """Large enough that the bias moves visibly in two steps (the sign update adds +-coeff per step)."""
 FRESH_SEED_OFFSET = 7919
+BASELINE_AGREES = 0.1
+"""torchtitan's module on one process (its grouped experts in bf16) must be within this relative L2 distance of the
+float32 mathematics, per gradient group, or the noise model's baseline shares what is wrong: measured 0.0027-0.018
+(seeds 0-4, W = 2 and 4); a gradient missing, detached or halved is 0.5-1 away."""
 BIAS = "expert_bias_E"
 """The expert bias of 0.3's MoE (0.2's: `expert_bias`)."""
 
@@ -49,10 +53,11 @@ def _model(moe):
     return api.one_block_model(moe)
 
 
-def _make(gen: str, row: Row, layout: str, seed: int, world: int):
+def _make(gen: str, row: Row, layout: str, seed: int, world: int, ep: int = 0):
     """(model, moe, optimizers, forward context, input entry, ParallelDims) of one side. 0.3: its Module protocol,
     `OptimizersContainer` and `register_moe_load_balancing_hook`; 0.2: its EP step (api.parallelize), or no
-    parallelism at all (layout "none": the whole module on every rank), `build_optimizers_with_moe_load_balancing`."""
+    parallelism at all (layout "none": the whole module on every rank), `build_optimizers_with_moe_load_balancing`.
+    `ep` (0.3, layout "ep"): an EP degree below the world size, the experts then kept over efsdp = W / ep ranks."""
     import contextlib
 
     import torch
@@ -63,7 +68,8 @@ def _make(gen: str, row: Row, layout: str, seed: int, world: int):
     if layout == "none":
         context, enter, dims = contextlib.nullcontext, (lambda x: x), None
     else:
-        context, _, enter, dims = api.parallelize(gen, moe, row.backend, layout, world)
+        degrees = (world, 1, ep, False) if ep and ep != world else None  # (dp_shard, tp, ep, sequence parallel)
+        context, _, enter, dims = api.parallelize(gen, moe, row.backend, layout, world, degrees)
     model = _model(moe)
     if gen == "moe":
         from torchtitan.components.optimizer import build_optimizers_with_moe_load_balancing
@@ -114,14 +120,15 @@ def _batch(seed: int, step: int, world: int):
     return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
 
 
-def _train(side, step: int, seed: int, rank: int, world: int) -> None:
-    """One step of one side on this rank's sequences (EP: each rank its own)."""
+def _train(side, step: int, seed: int, rank: int, world: int, grads: dict | None = None) -> None:
+    """One step of one side on this rank's sequences (EP: each rank its own); `grads` (a dict) gets every
+    parameter's whole gradient before the optimizers' step (a collective)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from moebench.libraries.torchtitan.bf16 import covers_dp
+    from moebench.libraries.torchtitan.bf16 import covers_dp, layout_groups
 
-    model, moe, optimizers, context, enter, _ = side
+    model, moe, optimizers, context, enter, dims = side
     gen = api.generation()
     x_all, t_all = _batch(seed, step, world)
     mine = slice(rank * api.SEQS_PER_DP_RANK, (rank + 1) * api.SEQS_PER_DP_RANK)
@@ -130,9 +137,18 @@ def _train(side, step: int, seed: int, rank: int, world: int) -> None:
         y = moe(enter(x_all[mine].clone()))
         y = y.to_local() if isinstance(y, DTensor) else y
         ((y.float() * t_all[mine]).sum() / tokens).backward()
-    for name, p in moe.named_parameters():  # what torchtitan's FSDP sums over the data-parallel ranks
-        if not is_expert(gen, name) and p.grad is not None and not covers_dp(p.grad):
+    ep = dims.ep if dims is not None else world
+    efsdp = layout_groups(world, 1, ep, rank)[2] if ep < world else None  # the ranks holding the same experts
+    for name, p in moe.named_parameters():  # what torchtitan's FSDP sums over the (expert-)data-parallel ranks
+        if p.grad is None or covers_dp(p.grad):
+            continue
+        if not is_expert(gen, name):
             dist.all_reduce(p.grad)
+        elif efsdp is not None:
+            dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group=efsdp)
+    if grads is not None:
+        grads.update({name: _whole(moe, name, p.grad, side[5]) for name, p in moe.named_parameters()
+                      if p.grad is not None})
     optimizers.step()
     optimizers.zero_grad()
 
@@ -243,9 +259,11 @@ def _run(ctx, row: Row, opts) -> list:
     r, w = ctx.rank, ctx.world_size
     s = row.settings
     out: list = []
-    a = _make(gen, row, "ep", opts.seed, w)
+    against: list = []  # the uninterrupted run against one process: kept aside, after the resume's comparisons
+    save_ep = getattr(s, "save_ep", 0) or w
+    a = _make(gen, row, "ep", opts.seed, w, save_ep)
     for step in range(SAVE_STEPS):
-        _train(a, step, opts.seed, r, w)
+        against += _step_against_one_process(gen, row, a, step, opts.seed, r, w)
         out.append(_biases_agree(a, r, f"step {step + 1}"))
     saved = _state(a)
     moved = bool(saved["bias"][BIAS].abs().sum() > 0)
@@ -265,10 +283,10 @@ def _run(ctx, row: Row, opts) -> list:
 
             raise Refused(f"CheckpointManager.load refused it: {refusal(exc)}") from None
     out += restore_comparisons(_findings(b, saved, fresh, r, w, s.load_ep_mode), r)
-    if s.load_ep_mode != "ep":
-        return out  # another layout: its reductions differ; what it restored is what is asked of it
+    if s.load_ep_mode != "ep" or save_ep != w:
+        return out + against  # another layout: its reductions differ; what it restored is what is asked of it
     for step in range(SAVE_STEPS, SAVE_STEPS + CONTINUE_STEPS):
-        _train(a, step, opts.seed, r, w)
+        against += _step_against_one_process(gen, row, a, step, opts.seed, r, w)
         _train(b, step, opts.seed, r, w)
         kept, resumed = _state(a), _state(b)
         for name, t in resumed["weights"].items():
@@ -277,4 +295,82 @@ def _run(ctx, row: Row, opts) -> list:
                                kept["weights"][name], EXACT, rank=r, group=group))
         out.append(compare(f"step {step + 1} (resumed): the expert bias vs the run that never stopped",
                            resumed["bias"][BIAS], kept["bias"][BIAS], EXACT, rank=r, group=ROUTER))
+    return out + against
+
+
+def _step_against_one_process(gen: str, row: Row, a, step: int, seed: int, rank: int, world: int) -> list:
+    """One step of the uninterrupted run against one process, from the same weights and expert bias: its gradients
+    (after the data-parallel sums) against the MoE in float32 (bf16.reference, the bias choosing the experts): the
+    router's and the experts' judged by the noise model, the baseline being torchtitan's own module with nothing
+    parallelized (its grouped experts compute in bf16), the shared expert's (plain float32 linears) strictly; and
+    its expert bias after the optimizers' step (torchtitan's
+    hook) against the hook's update from every token's expert count (train.bias_update), strictly.
+    Gradients, not weights after Adam: Adam's first steps turn a rounding difference of a near-zero gradient into up
+    to lr."""
+    import torch
+
+    from moebench.libraries.torchtitan.bf16 import GROUP_OF, WORDS, reference
+    from moebench.libraries.torchtitan.train import bias_update
+    from moebench.parity import noise
+    from moebench.parity.compare import STRICT, assertion, compare
+    from moebench.parity.diagnosis import EXPERTS, REPLICATED, ROUTER, make
+
+    spec = api.spec_of(row)
+    before = _state(a)
+    x_all, t_all = _batch(seed, step, world)
+    tokens = x_all.shape[0] * x_all.shape[1]
+    names = {name: role for role, name in api.names(gen).items() if name in before["weights"]}
+    truth = {role: before["weights"][name].float().clone().requires_grad_(True) for name, role in names.items()}
+    counts = torch.zeros(spec.num_experts, dtype=torch.float64)
+    y = reference(truth, x_all.reshape(-1, api.HIDDEN), spec, api.score_before_experts(gen),
+                  bias=before["bias"][BIAS].float(), counts=counts)
+    ((y * t_all.reshape(-1, api.HIDDEN)).sum() / tokens).backward()
+    base = api.build(gen, row.model, enable_ep=False, enable_sp=False, load_balance_coeff=LOAD_BALANCE_COEFF)
+    with torch.no_grad():  # torchtitan's module on this process alone, from the run's weights and bias
+        for name, p in base.named_parameters():
+            p.copy_(before["weights"][name])
+        getattr(base, bias_name(gen)).copy_(before["bias"][BIAS])
+    ((base(x_all.clone()).float() * t_all).sum() / tokens).backward()
+    base_grads = dict(base.named_parameters())
+    grads: dict = {}
+    _train(a, step, seed, rank, world, grads=grads)
+    run_sums = {g: torch.zeros(3, dtype=torch.float64) for g in (ROUTER, EXPERTS)}
+    base_sums = {g: torch.zeros(3, dtype=torch.float64) for g in run_sums}
+    out = []
+    for name, role in names.items():  # a parameter without a gradient is held as zeros (a detached path)
+        group, want = GROUP_OF.get(role, REPLICATED), truth[role].grad
+        grads.setdefault(name, torch.zeros_like(want))
+        if base_grads[name].grad is None:
+            base_grads[name].grad = torch.zeros_like(base_grads[name])
+        if group == REPLICATED:  # the shared expert computes in float32 (plain linears): held to float32 strictly
+            out.append(compare(f"step {step + 1} (uninterrupted): grad {name} vs one process", grads[name].float(),
+                               want, STRICT, rank=rank, group=group))
+            continue
+        run_sums[group] += noise.sums([(grads[name].float(), want)])
+        base_sums[group] += noise.sums([(base_grads[name].grad.float(), want)])
+    for group in (ROUTER, EXPERTS):
+        agrees = noise.distance(base_sums[group])
+        held = assertion(f"step {step + 1}: torchtitan's module on one process is the float32 mathematics: its "
+                         f"{WORDS[group]} gradient is {agrees:.3g} from it (<= {BASELINE_AGREES:g})",
+                         agrees <= BASELINE_AGREES, rank=rank, group=group)
+        if not held.passed:
+            found = noise.fit(base_sums[group])
+            scaled = f" (x {found[0]:.3g})" if found and found[1] <= noise.GROUP_FIT_RTOL else ""
+            held.diagnosis = make("one-process-differs", f"differs from the float32 mathematics on one process too, "
+                                  f"before any resume: at step {step + 1} torchtitan's {WORDS[group]} gradient is "
+                                  f"{agrees:.3g} from float32{scaled}, and the run that never stopped shares it")
+        out.append(held)
+        judged = noise.judge(f"step {step + 1} (uninterrupted)", f"{WORDS[group]} gradient vs one process",
+                             run_sums[group], base_sums[group], rank=rank, group=group)
+        if not judged.passed:
+            found = noise.fit(run_sums[group])
+            scaled = (f": the one-process gradient x {found[0]:.3g}" if found and found[1] <= noise.GROUP_FIT_RTOL
+                      else "")
+            judged.diagnosis = make("one-process-differs", f"the run that never stopped differs from one process "
+                                    f"at step {step + 1}, before any resume: the {WORDS[group]} gradient{scaled}")
+        out.append(judged)
+    bias = _state(a)["bias"][BIAS]
+    out.append(compare(f"step {step + 1} (uninterrupted): the expert bias after the step vs one process",
+                       bias.float(), bias_update(before["bias"][BIAS].float(), counts, LOAD_BALANCE_COEFF), STRICT,
+                       rank=rank, group=ROUTER))
     return out
