@@ -87,13 +87,15 @@ def _transformers_expert_grad_x_world(set_attr: Callable) -> None:
 FAULTS["transformers-expert-grad-x-world"] = _transformers_expert_grad_x_world
 
 
-def _automodel_experts_swapped_in_checkpoint(set_attr: Callable) -> None:
-    """What Automodel's ModelState hands DCP, with each rank's local expert slots 0 and 1 swapped (a copy: the live
-    state is untouched): a checkpoint whose experts are in the wrong slots."""
+def swap_in_saved(set_attr: Callable, wrapper: str, key_end: str) -> None:
+    """What Automodel's `wrapper` (ModelState / OptimizerState) hands DCP, with each rank's local slots 0 and 1 of
+    every tensor whose key ends with `key_end` swapped (a copy: the live state is untouched): a checkpoint whose
+    experts (or their moments) are in the wrong slots. Also used by tests/libraries/test_automodel_resume.py."""
     from nemo_automodel.components.checkpoint import stateful_wrappers
     from torch.distributed.tensor import DTensor
 
-    original = stateful_wrappers.ModelState.state_dict
+    owner = getattr(stateful_wrappers, wrapper)
+    original = owner.state_dict
 
     def swapped(self):
         sd = original(self)
@@ -102,7 +104,7 @@ def _automodel_experts_swapped_in_checkpoint(set_attr: Callable) -> None:
             for key, t in list(d.items()):
                 if isinstance(t, dict):
                     walk(t)
-                elif str(key).endswith("experts.gate_and_up_projs") and isinstance(t, DTensor) and t.dim() == 3:
+                elif str(key).endswith(key_end) and isinstance(t, DTensor) and t.dim() == 3:
                     local = t.to_local()
                     moved = local.clone()
                     moved[[0, 1]] = local[[1, 0]]
@@ -110,7 +112,8 @@ def _automodel_experts_swapped_in_checkpoint(set_attr: Callable) -> None:
         walk(sd)
         return sd
 
-    set_attr(stateful_wrappers.ModelState, "state_dict", swapped)
+    set_attr(owner, "state_dict", swapped)
 
 
-FAULTS["automodel-experts-swapped-in-checkpoint"] = _automodel_experts_swapped_in_checkpoint
+FAULTS["automodel-experts-swapped-in-checkpoint"] = functools.partial(swap_in_saved, wrapper="ModelState",
+                                                                     key_end="experts.gate_and_up_projs")

@@ -33,30 +33,14 @@ def test_the_pinned_release_restores_every_slot_and_continues_bit_for_bit():
 
 
 def _swap_in_saved(monkeypatch, wrapper: str, key_end: str):
-    """What Automodel's `wrapper` (ModelState / OptimizerState) hands DCP, with local slots 0 and 1 of every tensor
-    whose key ends with `key_end` swapped (a copy: the live state is untouched)."""
-    from nemo_automodel.components.checkpoint import stateful_wrappers
-    from torch.distributed.tensor import DTensor
+    """Local slots 0 and 1 swapped in what Automodel's `wrapper` hands DCP (tests/faults/repro_faults.py)."""
+    import sys
+    from pathlib import Path
 
-    owner = getattr(stateful_wrappers, wrapper)
-    original = owner.state_dict
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "faults"))
+    from repro_faults import swap_in_saved
 
-    def swapped(self):
-        sd = original(self)
-
-        def walk(d):
-            for key, t in list(d.items()):
-                if isinstance(t, dict):
-                    walk(t)
-                elif str(key).endswith(key_end) and isinstance(t, DTensor) and t.dim() == 3:
-                    local = t.to_local()
-                    moved = local.clone()
-                    moved[[0, 1]] = local[[1, 0]]
-                    d[key] = DTensor.from_local(moved, t.device_mesh, t.placements)
-        walk(sd)
-        return sd
-
-    monkeypatch.setattr(owner, "state_dict", swapped)
+    swap_in_saved(monkeypatch.setattr, wrapper, key_end)
 
 
 @pytest.mark.faults

@@ -207,6 +207,48 @@ def scale_grads(model, mesh, dp_group_size: int):
                                         pp_enabled=False, foreach=True))
 
 
+def distributed_section(ep_size: int, activation_checkpointing: str = "off", dp_replicate_size: int | None = None,
+                        dtype_name: str | None = "float32") -> dict[str, Any]:
+    """A recipe's `distributed:` section (fsdp2) as the rows hand it to Automodel; `dtype_name`: FSDP's mixed
+    precision in that dtype throughout (the float32 rows), None: Automodel's default (bf16 params)."""
+    out: dict[str, Any] = {"strategy": "fsdp2", "ep_size": ep_size,
+                           "activation_checkpointing": {"off": False, "full": True}.get(activation_checkpointing,
+                                                                                          "selective")}
+    if dp_replicate_size:
+        out["dp_replicate_size"] = dp_replicate_size
+    if dtype_name is not None:
+        out["mp_policy"] = {"param_dtype": dtype_name, "reduce_dtype": dtype_name, "output_dtype": dtype_name}
+    return out
+
+
+def parallelize(model, section: dict[str, Any], world: int, fp32: bool):
+    """(mesh context, moe mesh or None): Automodel's meshes from a `distributed:` section and its own parallelizer
+    applied to `model` (0.7: distributed.model_parallelizer; before: moe.parallelizer with the mesh's axis names)."""
+    import torch
+    from nemo_automodel.recipes._dist_utils import create_distributed_setup_from_config
+
+    setup = create_distributed_setup_from_config(section, world_size=world)
+    mesh = getattr(setup, "mesh_context", setup)
+    try:
+        from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
+    except ImportError:  # before 0.7: the MoE parallelizer with the mesh's axis names
+        from nemo_automodel.components.moe.parallelizer import parallelize_model as moe_parallelize
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        def of_setup(name):  # 0.5-0.6 keep the policies on the DistributedSetup beside its mesh context
+            return getattr(mesh, name, None) if hasattr(mesh, name) else getattr(setup, name, None)
+
+        policy = (MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                       output_dtype=torch.float32) if fp32 else
+                  getattr(of_setup("strategy_config"), "mp_policy", None))
+        moe_parallelize(model, mesh.device_mesh, mesh.moe_mesh, **accepted(
+            moe_parallelize, **mesh.parallelize_axis_kwargs(),
+            activation_checkpointing=of_setup("activation_checkpointing") or False, mp_policy=policy))
+    else:
+        parallelize_model(model, mesh)
+    return mesh, mesh.moe_mesh if section["ep_size"] > 1 else None
+
+
 def clip_grad_norm(model, mesh, max_norm: float) -> float:
     """Automodel's own sharding-aware clip (training.utils.clip_grad_norm) with the EP mesh; the norm it clipped by."""
     from nemo_automodel.components.training import utils

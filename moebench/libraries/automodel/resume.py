@@ -33,15 +33,10 @@ def _make(row: Row, seed: int, world: int, ep_size: int):
     """(model, optimizer, EP mesh or None) of one side: built, then parallelized by Automodel's own parallelizer from
     a recipe's `distributed:` section (fsdp2, `ep_size`, float32 mixed precision; ep_size 1: no EP, the load of
     `resume-to-noep`, where FSDP shards the experts' dim over the ranks), as its recipes do: apply_ep, apply_fsdp."""
-    import types
-
     import torch
 
-    from moebench.libraries.automodel.user_rows import _parallelize
-
     model, _ = api.build(row.model, row.backend, seed)
-    layout = types.SimpleNamespace(ep_size=ep_size, activation_checkpointing="off", dp_replicate_size=None)
-    _, moe_mesh = _parallelize(model, layout, world, fp32=True)
+    _, moe_mesh = api.parallelize(model, api.distributed_section(ep_size), world, fp32=True)
     return model, torch.optim.Adam(model.parameters(), lr=LR, foreach=False), moe_mesh
 
 

@@ -204,44 +204,11 @@ def run(ctx, row: Row, opts) -> list:
         hf_logging.set_verbosity(level)
 
 
-def _distributed_dict(s: RecipeSettings, dtype_name: str | None) -> dict[str, Any]:
-    out: dict[str, Any] = {"strategy": "fsdp2", "ep_size": s.ep_size,
-                           "activation_checkpointing": {"off": False, "full": True}.get(s.activation_checkpointing,
-                                                                                          "selective")}
-    if s.dp_replicate_size:
-        out["dp_replicate_size"] = s.dp_replicate_size
-    if dtype_name is not None:  # the float32 rows: FSDP's mixed precision in float32 (the row's mp_policy)
-        out["mp_policy"] = {"param_dtype": dtype_name, "reduce_dtype": dtype_name, "output_dtype": dtype_name}
-    return out
-
-
 def _parallelize(model, s: RecipeSettings, world: int, fp32: bool):
-    """(mesh context, moe mesh or None): Automodel's meshes from the row's distributed section, and its
-    parallelizer applied to `model`."""
-    import torch
-    from nemo_automodel.recipes._dist_utils import create_distributed_setup_from_config
-
-    setup = create_distributed_setup_from_config(_distributed_dict(s, "float32" if fp32 else None), world_size=world)
-    mesh = getattr(setup, "mesh_context", setup)
-    try:
-        from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
-    except ImportError:  # before 0.7: the MoE parallelizer with the mesh's axis names
-        from nemo_automodel.components.moe.parallelizer import parallelize_model as moe_parallelize
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        def of_setup(name):  # 0.5-0.6 keep the policies on the DistributedSetup beside its mesh context
-            return getattr(mesh, name, None) if hasattr(mesh, name) else getattr(setup, name, None)
-
-        policy = (MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
-                                       output_dtype=torch.float32) if fp32 else
-                  getattr(of_setup("strategy_config"), "mp_policy", None))
-        moe_parallelize(model, mesh.device_mesh, mesh.moe_mesh, **api.accepted(
-            moe_parallelize, **mesh.parallelize_axis_kwargs(),
-            activation_checkpointing=of_setup("activation_checkpointing") or False, mp_policy=policy))
-    else:
-        parallelize_model(model, mesh)
-    moe_mesh = mesh.moe_mesh if s.ep_size > 1 else None
-    return mesh, moe_mesh
+    """(mesh context, moe mesh or None): the row's distributed section through Automodel's own parallelizer."""
+    section = api.distributed_section(s.ep_size, s.activation_checkpointing, s.dp_replicate_size,
+                                      "float32" if fp32 else None)
+    return api.parallelize(model, section, world, fp32)
 
 
 def _ref_name(name: str) -> str:

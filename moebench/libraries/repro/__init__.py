@@ -36,6 +36,7 @@ INSERTS = {"@HARNESS@": ("moebench.libraries.repro", "templates/harness.py"),
            "@AUTOEPMATH@": ("moebench.libraries.autoep", "rowmath.py"),
            "@AUTOEPRESUME@": ("moebench.libraries.autoep", "resumemath.py"),
            "@RESTORE@": ("moebench.parity", "restore.py"),
+           "@RESUMEDRIVER@": ("moebench.libraries.repro", "templates/resume_driver.py"),
            "@TTIMPORTS@": ("moebench.libraries.torchtitan", "imports.py"),
            "@TTEXCHANGE@": ("moebench.libraries.torchtitan", "exchange.py")}
 """Marker -> the file pasted in its place (at most one line each): the parts of moebench a script shares with the

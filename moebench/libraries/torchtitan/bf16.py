@@ -115,14 +115,7 @@ def _run(ctx, row: Row, opts) -> list:
 
     from moebench.parity.layout import ExpertLayout
 
-    gen = api.load()
-    api.point_at_cpu()
-    if gen == "moe":
-        api.bridge_v02_cpu_gaps()
-    if row.settings.patch.startswith("spmd_types"):
-        from moebench.libraries.torchtitan.exchange import bridge
-
-        bridge()
+    gen = setup_rank(row)
     r, w, layout = ctx.rank, ctx.world_size, row.ep_mode
     spec = api.spec_of(row)
     dp_n, tp_n, ep_n, sp = api.degrees(row)
@@ -215,6 +208,21 @@ def _run(ctx, row: Row, opts) -> list:
         out.append(judged)
     out.append(noise.judge("step 1", "input grad", io[1], noise.sums([(gx_base, gx_truth)]), rank=r, group=INPUT_GRAD))
     return out
+
+
+def setup_rank(row) -> str:
+    """Every torchtitan row's first step in its rank (bf16, train and resume rows): its modules imported, pointed at
+    the CPU, 0.2's CPU gaps bridged (api.V02_PATCH), spmd_types' uneven all-to-all padded for gloo where the row
+    records it (exchange.PATCH); returns the generation."""
+    from moebench.libraries.torchtitan.exchange import bridge
+
+    gen = api.load()
+    api.point_at_cpu()
+    if gen == "moe":
+        api.bridge_v02_cpu_gaps()
+    if row.settings.patch.startswith("spmd_types"):
+        bridge()
+    return gen
 
 
 def covers_dp(grad) -> bool:

@@ -248,14 +248,9 @@ def _run(ctx, row: Row, opts) -> list:
 
     for name in ("torchtitan", "torch.distributed.checkpoint"):  # the checkpointer's info lines
         logging.getLogger(name).setLevel(logging.WARNING)
-    gen = api.load()
-    api.point_at_cpu()
-    if gen == "moe":  # 0.2's CPU gaps, recorded in the row (api.V02_PATCH)
-        api.bridge_v02_cpu_gaps()
-    if row.settings.patch.startswith("spmd_types"):
-        from moebench.libraries.torchtitan.exchange import bridge
+    from moebench.libraries.torchtitan.bf16 import setup_rank
 
-        bridge()
+    gen = setup_rank(row)
     r, w = ctx.rank, ctx.world_size
     s = row.settings
     out: list = []

@@ -50,6 +50,7 @@ from moebench.libraries.torchtitan.bf16 import (
     layout_groups,
     my_tokens,
     reference,
+    setup_rank,
 )
 
 STEPS = 2
@@ -204,12 +205,7 @@ def _run(ctx, row: Row, opts) -> list:
     from moebench.parity.compare import assertion
     from moebench.parity.diagnosis import EXPERTS, REPLICATED, ROUTER
 
-    gen = api.load()
-    api.point_at_cpu()
-    if row.settings.patch.startswith("spmd_types"):
-        from moebench.libraries.torchtitan.exchange import bridge
-
-        bridge()
+    gen = setup_rank(row)
     s, r, w = row.settings, ctx.rank, ctx.world_size
     spec = api.spec_of(row)
     dp_n, tp_n, ep_n, sp = api.degrees(row)

@@ -9,10 +9,8 @@ from __future__ import annotations  # the pasted files' annotations name types t
 
 import datetime
 import json
-import multiprocessing as mp
 import os
 import sys
-import tempfile
 import time
 import traceback
 
@@ -220,51 +218,12 @@ def rank_main(rank, store_path, folder, deadline, queue):
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def main():
-    deadline = time.time() + DEADLINE_S
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=rank_main, args=(r, os.path.join(tmp, "store"), os.path.join(tmp, "ckpt"),
-                                                     deadline, queue)) for r in range(S["world"])]
-        for p in procs:
-            p.start()
-        results = {}
-        try:
-            while len(results) < S["world"] and time.time() < deadline:
-                try:
-                    rank, kind, value = queue.get(timeout=1.0)
-                    results[rank] = (kind, value)
-                except Exception:  # noqa: BLE001 - queue.Empty: keep waiting
-                    if any(p.exitcode not in (None, 0) for p in procs) and len(results) < S["world"]:
-                        time.sleep(2.0)
-                        if not queue.empty():
-                            continue
-                        break
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                p.join(5)
-    if len(results) < S["world"]:
-        print("setup error: a rank ended without a result, or the deadline passed")
-        return 2
-    errors = [v for k, v in results.values() if k == "error"]
-    if errors:
-        print("setup error:\n" + errors[0])
-        return 2
-    refused = [v for k, v in results.values() if k == "refused"]
-    if refused:
-        print(f"the load was refused: {refused[0]}")
-        return 2
-    every = [f for k, v in results.values() for f in v]
-    found = diagnose_restore(every)  # noqa: F821 - pasted above (RESTORE)
-    if found is None:
-        print(f"every expert slot of every rank restored bit for bit (torchtitan, spmd_backend={S['backend']})")
-        return 0
-    print(f"{found['name']}: {found['sentence']}")
-    return 1
+# @RESUMEDRIVER@ (templates/resume_driver.py: the ranks spawned, waited for and killed; the finding printed)
 
+
+def main():
+    restored = f"every expert slot of every rank restored bit for bit (torchtitan, spmd_backend={S['backend']})"
+    return restore_main(rank_main, S["world"], DEADLINE_S, restored)  # noqa: F821 - pasted above (RESUMEDRIVER)
 
 if __name__ == "__main__":
     sys.exit(main())
