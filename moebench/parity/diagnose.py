@@ -16,7 +16,8 @@ that failed. Detectors, in order (the first that explains the numbers wins):
   elsewhere); `mispaired_scores(...)` (SCORES_MISPAIRED: each token's routing scores applied to
   its experts in the wrong order); `unrouted_slots(...)` (UNROUTED_SLOTS: the router gradient
   collects gradient from slots the rank never routed - sent to another rank's expert or dropped -
-  whose zero routing weight hides them in the forward but not in the backward).
+  whose zero routing weight hides them in the forward but not in the backward); `together(...)` (two
+  of them at once, computed by the caller where their effects interact and their errors do not add).
 - uniform-scale: actual = c * expected everywhere (c fitted by least squares). When c or 1/c is an
   integer N >= 2 (within SCALE_INTEGER_RTOL): "summed instead of averaged over N ranks" / "averaged twice".
 - rows-permuted: along some dim, every slice of actual equals some slice of expected, in another order.
@@ -26,6 +27,9 @@ that failed. Detectors, in order (the first that explains the numbers wins):
 `summarise(comparisons, world_size, first)` gives the check-level finding: which parameter groups
 (output, input gradient, gate/router, experts, replicated) are right and which wrong, which ranks,
 and the earliest failure's diagnosis.
+
+Over 400 lines: every detector and every builder of a known-wrong answer in one place, so each diagnosis name
+has one spot that decides it (the names themselves: diagnosis.py).
 """
 
 from __future__ import annotations
@@ -139,9 +143,12 @@ def diagnose(actual: Any, expected: Any, *, atol: float, rtol: float, world_size
         found = _matches_alternative(a, alt, atol, rtol, world_size)
         if found is not None:
             scale, n = found
+            parts = name.replace(" ", "-").split("+")
             sentence = f"matches what {what} would give" + (f", scaled by {_fraction(scale, n, world_size)}" if n
                                                               else "") + (f": {cause}" if cause else "")
-            return make(name.replace(" ", "-"), sentence, alternative=label, scale=scale)
+            if len(parts) > 1:  # a `together` entry: two mechanisms computed at once by the caller
+                return make("+".join(parts), sentence, alternative=label, scale=scale, composite=parts)
+            return make(parts[0], sentence, alternative=label, scale=scale)
     # two known-wrong answers at once, where each alone explains nothing: their errors added to the right answer
     for i, (label1, alt1, what1, name1, _) in enumerate(known):
         for label2, alt2, what2, name2, _ in known[i + 1:]:
@@ -244,6 +251,15 @@ def unrouted_slots(grad: Any, where: str = "") -> tuple[Any, str, str, str]:
             + (f" ({where})" if where else "") + "; their zero routing weight hides it in the forward "
             "but not in the backward (mask the routing weights at those slots with an op whose backward "
             "zeros them too)")
+
+
+def together(grad: Any, first: tuple[str, str], second: tuple[str, str], cause: str = "") -> tuple[Any, str, str, str]:
+    """The `alternatives` entry for two known-wrong mechanisms at once where their effects interact, so their
+    errors do not add (the pair search above would miss them): `grad` is computed with both applied; `first` and
+    `second` are each (what gives it, diagnosis name). Named as both, `a+b` (names sorted)."""
+    (what1, name1), (what2, name2) = first, second
+    return (grad, f"{what1} and {what2} at once (neither alone explains it)", "+".join(sorted((name1, name2))),
+            cause)
 
 
 def gather_backward_unreduced(grad: Any, where: str = "") -> tuple[Any, str, str, str]:

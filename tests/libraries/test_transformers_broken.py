@@ -189,6 +189,37 @@ def test_router_gradient_from_slots_never_routed(monkeypatch):
     assert result.failed[0].diagnosis["name"] == "unrouted-slots", result.describe()
 
 
+def test_router_gradient_rank_local_with_the_other_ranks_unrouted_slots(monkeypatch):
+    """(f) Both (e)'s leak and a rank-local router gradient at once, where they interact: transformers 5.16.0's
+    all_reduce EP masks the off-rank routing weights with masked_fill, then all-reduces their gradient at the experts'
+    input (its install_forward never passes is_expert_parallel), and batched_mm runs each sentinel slot through the
+    last local expert. So each slot collects every rank's leak, the mask keeps this rank's own slots, and the gate's
+    gradient is never all-reduced. Neither known-wrong answer alone matches, nor their errors added (the mask cuts
+    the leak at the off-rank slots); the adapter's reference with both applied does, and the row names both."""
+    import torch
+    from transformers.distributed import expert_parallel as ep
+
+    class MaskedThenReduced(ep.AllReduceEP):
+        def __call__(self, hidden_states, top_k_index, top_k_weights):
+            ep_group = self.ep_mesh.get_group()
+            hidden_states = ep._AllReduceBackward.apply(hidden_states, ep_group)
+            off_rank = (top_k_index // self.num_local_experts) != self.ep_mesh.get_local_rank()
+            masked = ep._AllReduceBackward.apply(top_k_weights.masked_fill(off_rank, 0.0), ep_group)
+            clamped = torch.where(off_rank, self.num_local_experts - 1, top_k_index % self.num_local_experts)
+            return ep._AllReduceForward.apply(self.experts_forward(hidden_states, clamped, masked), ep_group)
+
+    _use_ep_implementation(monkeypatch, "all_reduce", MaskedThenReduced)
+    result = _one("qwen3_moe", "batched_mm", "all_reduce")
+    assert not result.passed
+    assert "output" in {c.name for c in result.comparisons if c.passed}  # the forward is right
+    assert not [c for c in result.failed if c.name.startswith("grad experts.")]
+    assert result.failed[0].name == "grad gate.weight", result.describe()
+    found = result.failed[0].diagnosis
+    assert found["name"] == "rank-local+unrouted-slots", result.describe()
+    assert found["details"]["composite"] == ["rank-local", "unrouted-slots"]
+    assert {c.diagnosis["name"] for c in result.failed if c.name == "input grad"} == {"rank-local+unrouted-slots"}
+
+
 BF16_CASES = [  # (patch, model, EP mode, the noise-model judgement that fails first, its diagnosis)
     (_experts_summed_over_ranks, "mixtral", "all_to_all", "parameter gradient", "uniform-scale"),
     (_router_gradient_never_reduced, "olmoe", "all_reduce", "parameter gradient", "bf16-noise"),

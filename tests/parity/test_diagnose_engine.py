@@ -32,6 +32,33 @@ def test_two_known_wrong_answers_together_are_named_as_both():
                     )["name"] == "unexplained"
 
 
+def test_two_mechanisms_that_interact_are_named_as_both_through_together():
+    """Two known-wrong answers whose errors do not add (one cuts what the other leaks, on some rows): the pair
+    search misses them; the caller's reference with both applied, given through `together`, names both."""
+    from moebench.parity.diagnose import together
+
+    torch.manual_seed(1)
+    right = torch.randn(6, 4)
+    leak = 0.3 * torch.randn(6, 4).abs()
+    rank_local = right.clone()
+    rank_local[:3] = 0  # this rank's own rows kept, the others cut
+    both = rank_local + leak
+    both[:3] = 0  # the cut takes the leak with it there: not rank_local + (right + leak) - right
+    alternatives = {"a": (rank_local, "a missing share", "rank-local"),
+                    "b": (right + leak, "a leak", "unrouted-slots")}
+    assert diagnose(both, right, atol=1e-6, rtol=1e-5, alternatives=alternatives)["name"] == "unexplained"
+    joint = together(both, ("a leak", "unrouted-slots"), ("a missing share", "rank-local"), "why")
+    found = diagnose(both, right, atol=1e-6, rtol=1e-5, alternatives={**alternatives, "ab": joint})
+    assert found["name"] == "rank-local+unrouted-slots" and found["details"]["composite"] == ["rank-local",
+                                                                                               "unrouted-slots"]
+    assert found["sentence"].endswith("at once (neither alone explains it) would give: why"), found
+    # the joint reference names nothing it does not match
+    other = both.clone()
+    other[4] += 1.0
+    assert diagnose(other, right, atol=1e-6, rtol=1e-5, alternatives={**alternatives, "ab": joint}
+                    )["name"] != "rank-local+unrouted-slots"
+
+
 def test_a_nan_distance_is_never_low_precision_noise():
     from moebench.parity.final import never_noise
     from moebench.parity.noise import judge, sums

@@ -57,6 +57,12 @@ UNROUTED_SLOTS = "router gradient from unrouted slots"
 (batched_mm clamps the sentinel id in-bounds) weighted by a zero that hides them in the forward only
 (huggingface/transformers#48687); the entry's description comes from moebench.parity.diagnose.unrouted_slots."""
 
+RANK_LOCAL_AND_UNROUTED = "rank-local gradient with unrouted slots"
+"""Both mechanisms at once, where they interact (their errors do not add): the routing weights' gradient is
+all-reduced at the experts' input, so each slot collects every rank's sentinel leak, then the router's mask keeps
+only this rank's own slots and the gate's gradient is never all-reduced (transformers 5.16's all_reduce EP, whose
+install_forward never passes is_expert_parallel)."""
+
 SWAPPED_SCORES = ("scores paired wrong", "routing weights paired with the wrong experts: each token's top-k "
                   "weights applied to its selected experts in the wrong order")
 
@@ -96,7 +102,7 @@ def _wrong_references(ref, row: Row, rank: int, x_all, t_all,
 
         local.get_submodule(shape.router).register_forward_hook(routes_local_only)
         run(local, RANK_LOCAL[0])
-        leaky = copy.deepcopy(ref)
+        leaky, both = copy.deepcopy(ref), copy.deepcopy(ref)
 
         def sentinel_slots_in_router_grad(module, args, output):
             hidden, index, weights = args[:3]
@@ -111,6 +117,11 @@ def _wrong_references(ref, row: Row, rank: int, x_all, t_all,
 
         leaky.experts.register_forward_hook(sentinel_slots_in_router_grad)
         run(leaky, UNROUTED_SLOTS)
+        # Both at once, which do not add: the off-rank slots' weights are cut (rank-local), so the leak only
+        # reaches this rank's own slots, from the other ranks' sentinel slots (their backward all-reduce sums it in).
+        both.get_submodule(shape.router).register_forward_hook(routes_local_only)
+        both.experts.register_forward_hook(sentinel_slots_in_router_grad)
+        run(both, RANK_LOCAL_AND_UNROUTED)
     return out
 
 
@@ -143,7 +154,7 @@ def _run(ctx, row: Row, opts) -> list:
     import torch.distributed as dist
 
     from moebench.parity.compare import SEED_ALLCLOSE_DEFAULT, STRICT, assertion, compare, of_terms, pick
-    from moebench.parity.diagnose import unrouted_slots
+    from moebench.parity.diagnose import together, unrouted_slots
 
     tol, asserted = pick(opts.tolerance, strict=STRICT, seed=SEED_ALLCLOSE_DEFAULT)
     r, w = ctx.rank, ctx.world_size
@@ -198,6 +209,13 @@ def _run(ctx, row: Row, opts) -> list:
             described: dict[str, Any] = {label: (what, name, "") for (label, what), name in named}
             described[UNROUTED_SLOTS] = unrouted_slots(None, "the last local expert: batched_mm clamps the "
                                                        "sentinel id in-bounds")[1:]
+            described[RANK_LOCAL_AND_UNROUTED] = together(
+                None, ("a gate gradient left rank-local", diagnosis.RANK_LOCAL),
+                ("the other ranks' unrouted slots leaking into this rank's own", diagnosis.UNROUTED_SLOTS),
+                "batched_mm runs a sentinel slot through the last local expert, whose output its zero weight hides "
+                "in the forward only; the routing weights' backward all-reduce sums that leak from every rank into "
+                "each slot, the router's mask keeps this rank's own slots, and the gate's gradient is never "
+                "all-reduced")[1:]
 
             def alternatives(param: str | None, scale: float = 1.0) -> dict[str, Any]:
                 found = {}
