@@ -63,12 +63,17 @@ class Report:
     created: str
     """ISO-8601 UTC time the run started."""
     elapsed_s: float
+    """Rounded to the millisecond once, here, so the console's summary line and envcheck.json never round the
+    same run's time to different tenths (0.0495 s printed 0.0 beside a saved 0.05 that reads 0.1)."""
     probe: dict[str, Any]
     """{"enabled": bool, "timeout_s": float}."""
     moebench_version: str
     hostname: str
     results_path: str | None = None
     """Where the CLI saved this document (set by the CLI, None otherwise)."""
+
+    def __post_init__(self) -> None:
+        self.elapsed_s = round(self.elapsed_s, 3)
 
     def get(self, check_id: str) -> Check | None:
         return next((c for c in self.checks if c.id == check_id), None)

@@ -171,3 +171,15 @@ def test_summary_is_fast_and_skips_the_probe_and_the_deepspeed_import():
     by_id = {c["id"]: c for c in doc["checks"]}
     assert by_id["probe.gloo"]["status"] == SKIP and by_id["deepspeed.import"]["status"] == SKIP
     json.dumps(doc)  # JSON-ready as is
+
+
+@pytest.mark.parametrize("elapsed", [0.0495, 0.2496, 0.34951, 1.04999])
+def test_the_summary_line_and_the_saved_file_give_the_same_time(elapsed):
+    """The console rounds the run's time to a tenth, envcheck.json to a millisecond: both from one value, so
+    a time on a tenth's boundary (0.0495 s: the console's 0.0 beside a saved 0.05 read as 0.1) never differs
+    (tests/cli/test_columns.py reads the one against the other)."""
+    from moebench.envcheck.render import summary_line
+
+    report = Report(checks=[], mode="full", created="2026-11-28T00:00:00Z", elapsed_s=elapsed, probe={},
+                    moebench_version="0", hostname="h")
+    assert summary_line(report).endswith(f"in {report.to_dict()['elapsed_s']:.1f} s"), summary_line(report)
