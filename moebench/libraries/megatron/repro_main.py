@@ -15,7 +15,7 @@ Compared at every step, in this order: each rank's output, every gradient after 
 its global index and ETP slice), the gradient norm the optimizer clips by, the input gradient, the expert bias, and
 every parameter after the step.
 
-This file is moebench's template (moebench/libraries/megatron/repro_main.py): moebench pastes the harness and the three
+This file is moebench's template (moebench/libraries/megatron/repro_main.py): moebench pastes the harness and the four
 files in place of the lines marked @...@ and drops the lines marked PASTED.
 """
 
@@ -48,6 +48,7 @@ from moebench.libraries.megatron.step import (  # @PASTED@
 
 SETTINGS = json.loads('{"world_size": 2, "seed": 0}')  # @SETTINGS@ (filled by moebench)
 
+# @TRITON@
 # @STANDINS@
 # @STEP@
 # @REFERENCE@

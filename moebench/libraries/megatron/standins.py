@@ -20,107 +20,41 @@ megatron-core is changed: its own code computes every number a row compares.
 - `GroupedMLP` (0.16.1) runs its experts through the `grouped_gemm` CUDA extension (`gg.ops.gmm`): the stand-in is a
   Python grouped matmul (each expert's rows times its weight, concatenated), the same mathematics, with autograd.
 - triton: 0.17+ import it at module level (transformer/moe/ops/paged_stash.py) for kernels no CPU row launches.
-  Where it is missing, megatron-core is imported with a stand-in triton that exists only while it imports
-  (`import_megatron`): its `__version__` is "0.0.0", so Megatron's own version checks take their no-triton path,
-  and a kernel launched through it raises, naming itself.
+  Where it is missing, megatron-core is imported with the stand-in triton of libraries/triton_standin.py, which
+  exists only while it imports (`import_megatron`): its `__version__` is "0.0.0", so Megatron's own version checks
+  take their no-triton path, and a kernel launched through it raises, naming itself.
 Everything not listed raises as CPU torch does (CUDA graphs, device properties, Transformer Engine's fused kernels:
 Megatron itself refuses those without TE). Every row records `STANDINS` (and the triton in use) in its settings.
 
-This module imports only the standard library and torch (megatron lazily): `--repro` scripts paste it whole.
+This module imports only the standard library, torch (megatron lazily) and triton_standin.py: `--repro` scripts
+paste both whole.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.metadata
 import importlib.util
 import sys
 import types
+
+from moebench.libraries.triton_standin import stand_in_triton, triton_version  # @PASTED@
 
 STANDINS = ("ranks only: cuda streams/events/synchronize no-ops; current_device, 'cuda' tensors -> cpu; "
             "Tensor.type() cuda names; a2a splits as numpy; te_general_gemm=None; Python grouped_gemm.gmm")
 """What every row records (`standins`): the stand-ins a row's ranks run with (module docstring)."""
 TRITON_STUB = "import stand-in (megatron-core imports triton; no Triton kernel runs on CPU; launching one raises)"
-TORCH_FIRST = ("torch._dynamo", "functorch.compile", "torch._inductor.ir", "torch._inductor.lowering",
-               "torch._inductor.compile_fx", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
-               "torch.distributed.tensor.experimental", "torch.distributed._functional_collectives",
-               "torch.distributed.fsdp")
-"""torch's modules that probe triton when they import: imported before a stand-in triton exists (they find none)."""
 _MISSING = object()
 
 
 # ------------------------------------------------------------------ triton, at import only (0.17+)
 
-class StubKernel:
-    """What the stand-in `triton.jit` gives: a kernel that raises when launched."""
-
-    def __init__(self, fn=None):
-        self.fn = fn
-        self.__name__ = getattr(fn, "__name__", "kernel")
-
-    def _raise(self, *args, **kwargs):
-        raise RuntimeError(f"Triton kernel {self.__name__} launched, but triton is not installed here (moebench "
-                           "imported megatron-core with a stand-in triton: this path needs a GPU and triton)")
-
-    __call__ = _raise
-
-    def __getitem__(self, grid):
-        return self._raise
-
-
-class _Type:
-    """A triton.language name used in annotations or at module level (constexpr, dtypes)."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __repr__(self) -> str:
-        return f"tl.{self.name}"
-
-    def __call__(self, *args, **kwargs):
-        return _Type(f"{self.name}(...)")
-
-    def __getattr__(self, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _Type(f"{self.name}.{name}")
-
-
-def _decorator(*args, **kwargs):
-    """triton.jit / autotune / heuristics, bare or with arguments."""
-    if len(args) == 1 and callable(args[0]) and not kwargs:
-        return StubKernel(args[0])
-    return StubKernel
-
-
-def _stub_modules() -> dict[str, types.ModuleType]:
-    triton = types.ModuleType("triton")
-    language = types.ModuleType("triton.language")
-    triton.__version__ = "0.0.0"  # Megatron's own checks (>= 3.4 / >= 2.0) then take their no-triton path
-    triton.jit = triton.autotune = triton.heuristics = _decorator
-    triton.Config = _Type("Config")
-    triton.cdiv = lambda a, b: -(-a // b)
-    triton.next_power_of_2 = lambda n: 1 << max(0, (int(n) - 1).bit_length())
-    triton.language = language
-
-    def names(name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _Type(name)
-
-    language.__getattr__ = names  # tl.constexpr, tl.int64, tl.program_id, ... (module-level __getattr__)
-    return {"triton": triton, "triton.language": language}
-
-
 def triton_kind() -> str:
     """The triton a row runs with: the installed version, or TRITON_STUB where megatron-core needs the stand-in,
     or "" where the installed megatron-core does not import triton."""
-    if importlib.util.find_spec("triton") is not None:
-        try:
-            return importlib.metadata.version("triton")
-        except importlib.metadata.PackageNotFoundError:
-            return "installed"
+    version = triton_version()
+    if version is not None:
+        return version
     import os
 
     try:
@@ -135,39 +69,14 @@ def triton_kind() -> str:
 def import_megatron(*modules: str) -> None:
     """Import megatron-core's `modules` (warnings of its import silenced: "Transformer Engine and Apex are not
     installed", which the rows say in their own words), with the stand-in triton only while they import when triton
-    is missing; the stand-in never stays in sys.modules."""
+    is missing (triton_standin.py: it never stays in sys.modules)."""
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if importlib.util.find_spec("triton") is not None:
+        with stand_in_triton("megatron-core", "megatron"):
             for name in modules:
                 importlib.import_module(name)
-            return
-        for name in TORCH_FIRST:
-            if importlib.util.find_spec(name.split(".")[0]) is not None:
-                try:
-                    importlib.import_module(name)
-                except ImportError:
-                    pass
-        stub = _stub_modules()
-        held = {name: sys.modules.get(name) for name in stub}
-        sys.modules.update(stub)
-        try:
-            for name in modules:
-                importlib.import_module(name)
-        finally:
-            for name, before in held.items():
-                if before is None:
-                    sys.modules.pop(name, None)
-                else:
-                    sys.modules[name] = before
-    leaked = sorted(name for name, module in list(sys.modules.items()) if module is not None
-                    and not name.startswith(("megatron", "triton"))
-                    and any(value is stub["triton"] or value is stub["triton.language"]
-                            for value in list(vars(module).values())))
-    if leaked:  # a module outside megatron-core kept the stand-in: say so rather than let it misbehave later
-        raise RuntimeError(f"the stand-in triton leaked into {', '.join(leaked[:5])}; install triton")
 
 
 # ------------------------------------------------------------------ CUDA calls, in the ranks only

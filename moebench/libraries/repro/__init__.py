@@ -12,7 +12,8 @@ atomically; rank 0 alone). The summary gains "repro": [{"check", "path"}] and "n
 One template mechanism for every script (`fill`): a template is a file in templates/, with exactly one line
 marked `# @SETTINGS@` (replaced by the row's settings as a JSON literal) and optionally lines marked with the
 INSERTS below (each replaced by a file of moebench: the harness most scripts share, the expert layout, the
-DeepSpeed rows' and the AutoEP rows' model and mathematics), so a script reproduces its row with the tool's own code.
+DeepSpeed rows' and the AutoEP rows' model and mathematics, the stand-in triton), so a script reproduces its row with
+the tool's own code. A template outside templates/ (megatron's repro_main.py) names its package.
 """
 
 from __future__ import annotations
@@ -37,7 +38,11 @@ INSERTS = {"@HARNESS@": ("moebench.libraries.repro", "templates/harness.py"),
            "@AUTOEPRESUME@": ("moebench.libraries.autoep", "resumemath.py"),
            "@RESTORE@": ("moebench.parity", "restore.py"),
            "@RESUMEDRIVER@": ("moebench.libraries.repro", "templates/resume_driver.py"),
+           "@TRITON@": ("moebench.libraries", "triton_standin.py"),
            "@TTIMPORTS@": ("moebench.libraries.torchtitan", "imports.py"),
+           "@STANDINS@": ("moebench.libraries.megatron", "standins.py"),
+           "@STEP@": ("moebench.libraries.megatron", "step.py"),
+           "@REFERENCE@": ("moebench.libraries.megatron", "reference.py"),
            "@TTEXCHANGE@": ("moebench.libraries.torchtitan", "exchange.py")}
 """Marker -> the file pasted in its place (at most one line each): the parts of moebench a script shares with the
 tool, so both build the same model from the same seed and read it the same way. A pasted file imports only the
@@ -60,10 +65,12 @@ def template(name: str) -> str:
     return _text("moebench.libraries.repro", f"templates/{name}.py")
 
 
-def fill(name: str, settings: dict[str, Any], *, key: str) -> str:
-    """Template `name` with its SETTINGS line holding `settings` (JSON scalars), each insert marker replaced by
-    its file, and a first line naming the row."""
-    lines = template(name).splitlines(keepends=True)
+def fill(name: str, settings: dict[str, Any], *, key: str, package: str = "moebench.libraries.repro") -> str:
+    """Template `name` (templates/<name>.py, or <name>.py of `package` outside this one) with its SETTINGS line
+    holding `settings` (JSON scalars), each insert marker replaced by its file, the lines marked PASTED left out,
+    and a first line naming the row."""
+    lines = (template(name) if package == "moebench.libraries.repro" else _text(package, f"{name}.py")
+             ).splitlines(keepends=True)
     if sum(SETTINGS_MARKER in line for line in lines) != 1:
         raise ValueError(f"repro template {name} must mark exactly one line with {SETTINGS_MARKER}")
     for marker in INSERTS:
@@ -76,11 +83,11 @@ def fill(name: str, settings: dict[str, Any], *, key: str) -> str:
         if SETTINGS_MARKER in line:
             out.append(f"SETTINGS = json.loads({literal!r})\n")
         elif marker is not None:
-            package, path = INSERTS[marker]
-            text = "".join(t for t in _text(package, path).splitlines(keepends=True)
+            source, path = INSERTS[marker]
+            text = "".join(t for t in _text(source, path).splitlines(keepends=True)
                            if not t.startswith("from __future__ import") and PASTED not in t)
-            out.append(f"# ---- pasted from {package.replace('.', '/')}/{path}\n{text}# ----\n")
-        else:
+            out.append(f"# ---- pasted from {source.replace('.', '/')}/{path}\n{text}# ----\n")
+        elif PASTED not in line:
             out.append(line)
     from moebench.version import __version__
 

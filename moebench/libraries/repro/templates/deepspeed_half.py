@@ -88,7 +88,10 @@ def engine_rank(rank, world, store_path, out, deadline):
         local = model.moe.num_local_experts
         param_groups = split_params_into_different_moe_groups_for_optimizer(
             {"params": list(model.parameters()), "name": "parameters"})
-        cpu_fp16_allowed(ROW.precision == "fp16").__enter__()  # this rank process only, until it ends
+        # this rank process only, until it ends: held in a local, since a context manager nobody references is
+        # collected at once, and its generator's cleanup would undo the answer before DeepSpeed asks
+        fp16_allowed = cpu_fp16_allowed(ROW.precision == "fp16")
+        fp16_allowed.__enter__()
         engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(param_groups, lr=LR),
                                           config=engine_config(ROW, world))
         names = {global_name(n, ep_rank, local): p for n, p in engine.module.named_parameters()}

@@ -25,6 +25,7 @@ MODULES = ("torchtitan.models.common.moe", "torchtitan.models.common.config_util
 CPU_MODULES = ("torchtitan.tools.utils", "torchtitan.distributed.parallel_dims", "torchtitan.distributed.utils",
                "torchtitan.models.common.token_dispatcher")
 
+# @TRITON@ (moebench/libraries/triton_standin.py: the stand-in triton its imports use)
 # @TTIMPORTS@ (moebench/libraries/torchtitan/imports.py: torchtitan imported with a stand-in triton where missing)
 
 # @TTEXCHANGE@ (moebench/libraries/torchtitan/exchange.py: spmd_types' uneven all_to_all padded for gloo)
