@@ -59,24 +59,6 @@ def compared(unit):
     return group_of(unit) != "router" or router_gets_gradient(ROW.family, ROW.top_k, ROW.norm_topk_prob, ROW.aux_loss)
 
 
-def init_deepspeed(rank, world, store_path, deadline):
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no accelerator probe
-    gloo(rank, world, store_path, deadline)
-    import logging
-    import warnings
-
-    import deepspeed
-    import deepspeed.ops
-    from deepspeed.utils import logger
-    from transformers.utils import logging as hf_logging
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build of the shm comm op
-    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
-    logger.setLevel(logging.ERROR)
-    hf_logging.set_verbosity_error()
-    warnings.simplefilter("ignore")
-
-
 def engine_rank(rank, world, store_path, out, deadline):
     """One of the W ranks: AutoEP as DeepSpeed's users run it; records what it did."""
     phase = SETUP
@@ -85,7 +67,7 @@ def engine_rank(rank, world, store_path, out, deadline):
         env_defaults()
         import torch
 
-        init_deepspeed(rank, world, store_path, deadline)
+        init_deepspeed(rank, world, store_path, deadline, quiet_transformers=True)
         import deepspeed
         import deepspeed.comm as ds_dist
         from deepspeed.utils import safe_get_full_grad

@@ -38,24 +38,6 @@ OTHER_LAYOUT = (1e-5, 1e-4)
 """(rtol, atol) of the continued run in another layout and of A against one process: the tool's ONE_PROCESS."""
 
 
-def init_deepspeed(rank, world, store_path, deadline):
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no accelerator probe
-    gloo(rank, world, store_path, deadline)
-    import logging
-    import warnings
-
-    import deepspeed
-    import deepspeed.ops
-    from deepspeed.utils import logger
-    from transformers.utils import logging as hf_logging
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build of the shm comm op
-    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
-    logger.setLevel(logging.ERROR)
-    hf_logging.set_verbosity_error()
-    warnings.simplefilter("ignore")
-
-
 def gathered(obj):
     import torch.distributed as dist
 
@@ -96,7 +78,7 @@ def resume_rank(rank, world, store_path, out, deadline):
         import torch
         import torch.distributed as dist
 
-        init_deepspeed(rank, world, store_path, deadline)
+        init_deepspeed(rank, world, store_path, deadline, quiet_transformers=True)
         if S["transformers_shim"] and registry_needs_shim():
             install_registry_shim()
         phase = TRAINING

@@ -60,22 +60,6 @@ def global_name(name, ep_rank, local):
     return f"{PREFIX}{ep_rank * local + int(slot)}.{rest}"
 
 
-def init_deepspeed(rank, world, store_path, deadline):
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no accelerator probe
-    gloo(rank, world, store_path, deadline)
-    import logging
-    import warnings
-
-    import deepspeed
-    import deepspeed.ops
-    from deepspeed.utils import logger
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build of the shm comm op
-    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
-    logger.setLevel(logging.ERROR)
-    warnings.simplefilter("ignore")
-
-
 def engine_rank(rank, world, store_path, out, deadline):
     """One of the W ranks: the engine as DeepSpeed's users run it; records what it did."""
     phase = SETUP

@@ -67,6 +67,28 @@ def gloo(rank, world, store_path, deadline):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world))
 
 
+def init_deepspeed(rank, world, store_path, deadline, *, quiet_transformers=False):
+    """This process's gloo group (`gloo`), then DeepSpeed's distributed state on it, on its CPU accelerator, with no
+    JIT build and its (and, `quiet_transformers`, transformers') logging and warnings off the console."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no accelerator probe
+    gloo(rank, world, store_path, deadline)
+    import logging
+    import warnings
+
+    import deepspeed
+    import deepspeed.ops
+    from deepspeed.utils import logger
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build of the shm comm op
+    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
+    logger.setLevel(logging.ERROR)
+    if quiet_transformers:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+    warnings.simplefilter("ignore")
+
+
 def save(out, who, data):
     import torch
 
