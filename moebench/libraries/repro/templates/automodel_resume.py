@@ -8,11 +8,9 @@ state, or the routing bias is not the saved one; 0: every slot restored bit for 
 load or the deadline."""
 from __future__ import annotations  # the pasted files' annotations name types this script never builds
 
-import datetime
 import json
 import os
 import sys
-import time
 import traceback
 
 SETTINGS = json.loads('{"world": 2}')  # @SETTINGS@ (filled by moebench)
@@ -147,12 +145,7 @@ def rank_main(rank, store_path, folder, deadline, queue):
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()  # its deprecation lines for the tiny config
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        world = S["world"]
-        store = dist.FileStore(store_path, world)
-        timeout = datetime.timedelta(seconds=max(10.0, 0.5 * (deadline - time.time())))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-        torch.set_num_threads(1)
+        rank_group(rank, S["world"], store_path, deadline)  # noqa: F821 - pasted above (RESUMEDRIVER)
         torch.compiler.set_stance("force_eager")  # Automodel's compiled activations, run eagerly (the same math)
         a = build(S["save_ep"], S["seed"])
         for step in range(S["save_steps"]):

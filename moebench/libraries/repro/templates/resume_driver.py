@@ -1,12 +1,25 @@
 """The parent of the resume rows' reproduction scripts (moebench pastes it into templates/torchtitan_resume.py and
 automodel_resume.py): the ranks spawned on a FileStore, waited for under the deadline, killed on every way out, and
-the restore's finding printed. Uses the script's S and deadline_s, and restore.py's diagnose_restore (pasted above
-it)."""
+the restore's finding printed; each rank's gloo group (`rank_group`). Uses restore.py's diagnose_restore (pasted
+above it)."""
 
+import datetime
 import multiprocessing as mp
 import os
 import tempfile
 import time
+
+
+def rank_group(rank: int, world: int, store_path: str, deadline: float) -> None:
+    """A rank's gloo group on the parent's FileStore (loopback only), its timeout within the deadline; one thread."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    timeout = datetime.timedelta(seconds=max(10.0, 0.5 * (deadline - time.time())))
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                            timeout=timeout)
+    torch.set_num_threads(1)
 
 
 def restore_main(rank_main, world: int, deadline_s: float, restored: str) -> int:

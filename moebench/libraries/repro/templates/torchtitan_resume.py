@@ -7,11 +7,8 @@ holds another expert's (or no expert's) state; 0: every slot restored bit for bi
 or the deadline."""
 from __future__ import annotations  # the pasted files' annotations name types this script never builds
 
-import datetime
 import json
-import os
 import sys
-import time
 import traceback
 
 SETTINGS = json.loads('{"world": 2}')  # @SETTINGS@ (filled by moebench)
@@ -171,12 +168,7 @@ def rank_main(rank, store_path, folder, deadline, queue):
         import torch.distributed as dist
 
         warnings.filterwarnings("ignore", message="To construct DTensor from torch.Tensor")
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        world = S["world"]
-        store = dist.FileStore(store_path, world)
-        timeout = datetime.timedelta(seconds=max(10.0, 0.5 * (deadline - time.time())))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-        torch.set_num_threads(1)
+        rank_group(rank, S["world"], store_path, deadline)  # noqa: F821 - pasted above (RESUMEDRIVER)
         import_torchtitan(*MODULES)  # noqa: F821 - pasted above (TTIMPORTS)
         import importlib
 
@@ -201,7 +193,7 @@ def rank_main(rank, store_path, folder, deadline, queue):
             queue.put((rank, "refused", f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"))
             return
         now = state(b)
-        local = S["experts"] // world
+        local = S["experts"] // S["world"]
         held = range(rank * local, (rank + 1) * local) if S["load_ep_mode"] != "tp" else (
             range(S["experts"]) if rank == 0 else [])
         findings = []
