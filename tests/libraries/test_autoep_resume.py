@@ -6,7 +6,6 @@ the slow tier (the bottom of this file); other releases in test_autoep_resume_re
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -28,6 +27,8 @@ from moebench.parity.runner import ParityConfig, run_checks  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "faults"))
 import autoep_resume_faults  # noqa: E402
+from test_autoep import cli_rows as autoep_cli_rows  # noqa: E402
+from test_autoep import verdicts  # noqa: E402, F401 - test_autoep_resume_releases imports it from here
 
 SAME = "autoep/mixtral/zero1/ep=2/w2/resume"
 OTHER_EP = "autoep/mixtral/zero1/ep=2to1/w2/resume"
@@ -184,16 +185,7 @@ def expected(row) -> str:
 
 def cli_rows(world: int, tmp_path: Path, *args: str, env: dict | None = None) -> dict:
     """`verify-parity --library autoep --resume -n W --row 'autoep/*/resume*' --json ARGS` as a user runs it."""
-    done = subprocess.run([sys.executable, "-m", "moebench", "verify-parity", "--library", "autoep", "--resume",
-                           "-n", str(world), "--row", "autoep/*/resume*", "--json", *args], text=True,
-                          capture_output=True, timeout=900,
-                          env={**os.environ, "MOEBENCH_RESULTS": str(tmp_path / "results"), **(env or {})})
-    assert done.returncode in (0, 1), done.stderr[-3000:]
-    return json.loads(done.stdout)
-
-
-def verdicts(summary: dict) -> dict[str, str]:
-    return {r["check"]: r["diagnosis_name"] if r["verdict"] == "fail" else r["verdict"] for r in summary["rows"]}
+    return autoep_cli_rows(world, tmp_path, "--resume", "--row", "autoep/*/resume*", *args, env=env)
 
 
 @pytest.mark.slow
