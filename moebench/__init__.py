@@ -2,12 +2,13 @@
 
 The Python API (docs/api.md), each returning what its command prints with `--json`:
 `moebench.run(variant, preset=None, **settings)`, `moebench.verify_parity(...)`,
-`moebench.env_check(...)`. They are imported on first use: `import moebench` loads no torch.
+`moebench.env_check(...)`, `moebench.checkpoint(path, ...)`. They are imported on first use:
+`import moebench` loads no torch.
 """
 
 from moebench.version import __version__
 
-_API = ("run", "verify_parity", "env_check")
+_API = ("run", "verify_parity", "env_check", "checkpoint")
 __all__ = ["__version__", *_API]
 
 

@@ -1,4 +1,4 @@
-"""The Python API: `moebench.run`, `moebench.verify_parity`, `moebench.env_check`.
+"""The Python API: `moebench.run`, `moebench.verify_parity`, `moebench.env_check`, `moebench.checkpoint`.
 
 Each returns the dict its command prints with `--json` and records the same run folder under
 results/ (see docs/api.md). They call the core functions the CLI calls, through the same
@@ -9,6 +9,7 @@ written. Nothing prints unless asked (`progress=True`).
     summary = moebench.run("fastmoe", preset="quick", experts=4, steps=20)
     parity = moebench.verify_parity(world_size=2, checks=["all-gather-variable", "experts"])
     env = moebench.env_check(probe=False)
+    audit = moebench.checkpoint("ckpt/step-1000", experts=64)
 
 `import moebench` stays cheap: this module (and torch) is imported on first use of a function.
 """
@@ -20,7 +21,7 @@ from typing import Any, Mapping, Sequence
 
 from moebench.errors import UserError
 
-__all__ = ["run", "verify_parity", "env_check"]
+__all__ = ["run", "verify_parity", "env_check", "checkpoint"]
 
 
 def run(variant: str, preset: str | None = None, *, results_dir: str | None = None, force: bool = False,
@@ -62,11 +63,11 @@ def verify_parity(*, world_size: int | None = None, checks: str | Sequence[str] 
 
     The checks: `checks` names (see `moebench verify-parity --list`) or None for all, at `world_size` ranks
     (default 4); `impls`: your code instead of moebench's, {"experts": "my_pkg.moe:Experts", ...} (the `--impl`
-    contracts of docs/verify-parity.md). The library rows instead (docs/libraries.md): `library` names
+    contracts of docs/verify-parity.md). The library rows instead (docs/libraries/README.md): `library` names
     ("deepspeed" or ["fairscale", "transformers"]), `adapter` your own adapter (the object, or "pkg.mod:ADAPTER",
-    docs/adding-a-library.md), at `world_size` or at 2 and 4. Your own setup (docs/libraries.md, "verify your own
-    launch"): `ds_config` a DeepSpeed config file, `hf_config` a model's config.json, `recipe` an Automodel recipe
-    YAML, `torchtitan_args` the arguments given to torchtitan.train (one string), `allow_imports` the modules
+    docs/adding-a-library.md), at `world_size` or at 2 and 4. Your own setup (docs/libraries/README.md, "Verify
+    your own launch"): `ds_config` a DeepSpeed config file, `hf_config` a model's config.json, `recipe` an Automodel
+    recipe YAML, `torchtitan_args` the arguments given to torchtitan.train (one string), `allow_imports` the modules
     outside its framework a recipe or torchtitan module may import. `resume` the resume rows, `rows` only the rows
     whose key matches one of these globs, `repro` a new folder for the failing rows' standalone scripts.
     Returns the summary: "status" ("ok" when at least one check passed and none failed, else "failed"), one
@@ -186,3 +187,19 @@ def env_check(*, probe: bool = True, probe_timeout_s: float = 30.0, strict: bool
     _, document, _ = check_and_record(probe=probe, probe_timeout_s=probe_timeout_s, strict=strict,
                                       results_dir=results_dir)
     return results.to_jsonable(document)
+
+
+
+def checkpoint(path: str | os.PathLike, *, hf_config: str | os.PathLike | None = None, experts: int | None = None,
+               against: str | os.PathLike | None = None, results_dir: str | None = None) -> dict[str, Any]:
+    """Audit a checkpoint folder on disk, like `moebench checkpoint PATH --json` (docs/checkpoint.md).
+
+    `hf_config` a model's config.json or `experts` the experts per MoE layer (the count the checkpoint must hold);
+    `against` the same model in another layout or format, compared expert by expert. Returns the document:
+    "status" ("sound" or "problems"), "problems" (each with its name, sentence, tensor, layer and experts),
+    "layers", "optimizer", "saved" (what it was saved at) and "loads". Bad input raises UserError before anything
+    is read or written.
+    """
+    from moebench.checkpoint_audit.run import checked_audit
+
+    return checked_audit(path, hf_config=hf_config, experts=experts, against=against, results_dir=results_dir)

@@ -287,7 +287,7 @@ def read_back(path: str | os.PathLike, *, cut_tail_ok: bool = False) -> Any:
 
 
 RUN_FILES = ("summary.json", "config.json", "params.json", "env.json", "envcheck.json", "gpucheck.json",
-             "metrics.jsonl")
+             "checkpoint.json", "metrics.jsonl")
 """The files of a run folder that have a schema, in the order `read_run` checks them."""
 
 

@@ -135,3 +135,19 @@ def test_the_api_verifies_a_library_like_the_command(tmp_path):
     with pytest.raises(UserError, match="--resume: applies to library rows"):
         moebench.verify_parity(resume=True, results_dir=str(tmp_path))
     assert len(_runs(tmp_path)) == 1  # the refusals wrote nothing
+
+
+@pytest.mark.parametrize("name", ["run", "verify_parity", "env_check", "checkpoint"])
+def test_the_api_doc_gives_each_functions_whole_signature(name):
+    """docs/api.md's heading of each function names every parameter it takes, in order."""
+    import inspect
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+    heading = re.search(rf"^## `moebench\.{name}\((.*)\)`$", text, re.M)
+    assert heading, f"docs/api.md has no heading for moebench.{name}"
+    documented = [re.split(r"[=\s]", p.strip().lstrip("*"))[0] for p in heading.group(1).split(",")]
+    documented = [p for p in documented if p]
+    actual = [p.name for p in inspect.signature(getattr(moebench, name)).parameters.values()]
+    assert documented == actual, (documented, actual)

@@ -1,4 +1,4 @@
-"""The docs say what the CLI does (issue 18, item 5): every `--flag` README.md and docs/*.md name
+"""The docs say what the CLI does (issue 18, item 5): every `--flag` README.md and docs/**/*.md name
 exists on the command they name it for (read from the click command objects that `--help` prints,
 no process started), the choices a doc lists are the flag's, and the numbers the docs quote for
 defaults are the presets' and the config's."""
@@ -24,11 +24,22 @@ from moebench import variants
 from moebench.cli.app import app
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = sorted((ROOT / "docs").glob("*.md"))
+DOCS = sorted(p for p in (ROOT / "docs").rglob("*.md") if "findings" not in p.relative_to(ROOT / "docs").parts)
+"""Every doc but docs/findings/: those are upstream reports, whose flags are their scripts', never moebench's."""
+LIBRARY_PAGES = ("README.md", "fairscale.md", "transformers.md", "deepspeed.md", "autoep.md", "automodel.md",
+                 "torchtitan.md", "megatron.md")
 DOC_COMMAND = {"run-fastmoe.md": "run fastmoe", "run-deepspeed.md": "run deepspeed",
                "verify-parity.md": "verify-parity", "env-check.md": "env-check", "report.md": "report",
-               "bench.md": "bench", "gpu.md": "gpu-check"}
-"""The command a doc is about: a flag it names with no command before it is that command's."""
+               "bench.md": "bench", "gpu.md": "gpu-check",
+               **{f"libraries/{page}": "verify-parity" for page in LIBRARY_PAGES}}
+"""The command a doc is about (keyed by its path under docs/, so docs/libraries/README.md is not the repository's
+README.md): a flag it names with no command before it is that command's."""
+
+
+def doc_key(path: Path) -> str:
+    """A doc's name in DOC_COMMAND and in messages: its path under docs/ (the repository's README.md: README.md)."""
+    docs = ROOT / "docs"
+    return path.relative_to(docs).as_posix() if path.is_relative_to(docs) else path.relative_to(ROOT).as_posix()
 COMMANDS = ("env-check", "verify-parity", "report", "bench", "runs", "gpu-check", "run fastmoe", "run deepspeed",
             "run")
 OTHER_PROGRAMS = ("make", "pip", "torchrun", "deepspeed", "python", "python3", "pytest", "nvcc", "git", "apt-get",
@@ -36,8 +47,11 @@ OTHER_PROGRAMS = ("make", "pip", "torchrun", "deepspeed", "python", "python3", "
 """A code span that starts with one of these is that program's command line (its flags are not
 moebench's), up to a `moebench <command>` inside it."""
 
-FLAG = re.compile(r"(?<![\w/-])(--(?:\[no-\])?[A-Za-z][\w-]*)((?:[ =])[a-z0-9]+(?:\|[a-z0-9]+)+)?")
-"""A long flag, with an `a|b|c` list of choices after it if the doc gives one."""
+FLAG = re.compile(r"(?<![\w/-])(--(?:\[no-\])?[A-Za-z][\w-]*)(?![\w.])((?:[ =])[a-z0-9]+(?:\|[a-z0-9]+)+)?")
+"""A long flag, with an `a|b|c` list of choices after it if the doc gives one. A dotted option
+(`--training.max_norm`) is another program's (torchtitan's), never moebench's."""
+QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
+"""A quoted argument (`--torchtitan-args '--module qwen3 ...'`): a value handed on, not moebench's flags."""
 COMMAND_AT = re.compile(r"(?:(?:^|(?<=[\s(]))(?:python -m |\.venv/bin/)?moebench\s+(?:--debug\s+)?|^)"
                         r"(env-check|verify-parity|report|bench|runs|gpu-check|run\s+(?:fastmoe|deepspeed|<variant>)|run)"
                         r"(?![\w-])")
@@ -107,7 +121,7 @@ def mentions(path: Path) -> list[tuple[str, int, str, str | None, str, bool]]:
     for each flag the doc names."""
     text = path.read_text()
     lines = text.splitlines()
-    default = DOC_COMMAND.get(path.name)
+    default = DOC_COMMAND.get(doc_key(path))
     found = []
     for number, code in _spans(text):
         words = code.split()
@@ -125,13 +139,13 @@ def mentions(path: Path) -> list[tuple[str, int, str, str | None, str, bool]]:
             pieces.append((default, code))
         for command, whole in pieces:
             # a shell list (`a && pip install --no-deps x`): another program's part is not ours to check
-            piece = " ".join(p for p in re.split(r"&&|\|\||;", whole)
+            piece = " ".join(p for p in re.split(r"&&|\|\||;", QUOTED.sub("", whole))
                              if not p.split() or p.split()[0] not in OTHER_PROGRAMS)
             for m in FLAG.finditer(piece):
                 for flag in _expand(m.group(1)):
                     if flag not in PLACEHOLDERS:
                         old = "old spelling" in lines[number - 1]  # a hidden alias, named as such
-                        found.append((path.name, number, flag, command, (m.group(2) or "").strip(" ="), old))
+                        found.append((doc_key(path), number, flag, command, (m.group(2) or "").strip(" ="), old))
     return found
 
 
@@ -145,7 +159,7 @@ def _owner(command: str | None) -> list[str]:
     return [command] if command else list(commands())
 
 
-@pytest.mark.parametrize("doc", ALL_DOCS, ids=lambda p: p.name)
+@pytest.mark.parametrize("doc", ALL_DOCS, ids=doc_key)
 def test_every_flag_a_doc_names_exists_on_its_command(doc):
     wrong = []
     for name, line, flag, command, _, old in mentions(doc):
@@ -156,7 +170,7 @@ def test_every_flag_a_doc_names_exists_on_its_command(doc):
     assert not wrong, "\n".join(wrong)
 
 
-@pytest.mark.parametrize("doc", ALL_DOCS, ids=lambda p: p.name)
+@pytest.mark.parametrize("doc", ALL_DOCS, ids=doc_key)
 def test_the_choices_a_doc_lists_are_the_flags(doc):
     wrong = []
     for name, line, flag, command, listed, _ in mentions(doc):
@@ -252,7 +266,7 @@ def test_the_seed_range_the_docs_quote_is_the_enforced_one():
     for doc in ALL_DOCS:
         for number, line in enumerate(doc.read_text().splitlines(), 1):
             if "seed" in line:
-                quoted += [(doc.name, number, int(m.group(1))) for m in SEED_RANGE.finditer(line)]
+                quoted += [(doc_key(doc), number, int(m.group(1))) for m in SEED_RANGE.finditer(line)]
     assert any(name == "verify-parity.md" for name, _, _ in quoted), "verify-parity.md no longer gives the range"
     wrong = [f"{name}:{number}: 0..2**{power}-1" for name, number, power in quoted
              if 2**power != config_tree.SEED_LIMIT]
@@ -271,14 +285,14 @@ def test_run_fastmoe_doc_names_the_comm_backend_config_json_records():
     assert "`comm none`" not in text
 
 
-@pytest.mark.parametrize("doc", ALL_DOCS, ids=lambda p: p.name)
+@pytest.mark.parametrize("doc", ALL_DOCS, ids=doc_key)
 def test_no_table_is_cut_by_a_blank_line(doc):
     """A blank line inside a table ends it: the rows after it render as a paragraph of pipes."""
     lines = doc.read_text().splitlines()
     cut = [i + 1 for i in range(1, len(lines) - 1)
            if not lines[i].strip() and lines[i - 1].startswith("|") and lines[i + 1].startswith("|")
            and lines[i - 1].count("|") == lines[i + 1].count("|")]
-    assert not cut, f"{doc.name}: table cut by a blank line at line(s) {cut}"
+    assert not cut, f"{doc_key(doc)}: table cut by a blank line at line(s) {cut}"
 
 
 def _record_keys(variant: str) -> set[str]:

@@ -96,8 +96,9 @@ def _talks() -> bool:
 app = typer.Typer(
     cls=_Group,
     name="moebench",
-    help="Reproduce and verify the Mixture-of-Experts experiments of chapter 6 "
-    "(fastmoe and DeepSpeed-MoE in a Transformer), on CPU or GPU.",
+    help="Is expert parallelism right? moebench checks Mixture-of-Experts layers on several ranks against one "
+    "process: DeepSpeed, transformers, torchtitan, NeMo Automodel, Megatron-core, fairscale, or your own. It also "
+    "reproduces the fastmoe and DeepSpeed-MoE experiments of a book's chapter 6, on CPU or GPU.",
     no_args_is_help=True,
     context_settings=CONTEXT_SETTINGS,
     pretty_exceptions_enable=False,
@@ -128,7 +129,7 @@ def _root(
 
 
 def _compose() -> None:
-    from moebench.cli import bench, envcheck, gpucheck, parity, report, run, runs
+    from moebench.cli import bench, checkpoint, envcheck, gpucheck, parity, report, run, runs
 
     app.add_typer(envcheck.app)  # a Typer with one command: merged, so `env-check` is a leaf command
     app.add_typer(run.app, name="run")
@@ -137,6 +138,7 @@ def _compose() -> None:
     app.add_typer(bench.app)
     app.add_typer(report.app)
     app.add_typer(gpucheck.app)
+    app.add_typer(checkpoint.app)
 
 
 _compose()

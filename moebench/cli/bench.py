@@ -12,6 +12,7 @@ import typer
 from moebench import config as config_tree
 from moebench.bounds import Items, Name, Number
 from moebench.cli import flags
+from moebench.cli.help import LISTS, PanelCommand
 
 app = typer.Typer()
 
@@ -95,38 +96,50 @@ EXAMPLES = """Examples:
 \b
   moebench bench --quick                  every section, small, under a minute
   moebench bench --experts 8,32 --tokens 4096 --layer-kinds ideal,reference
-  moebench bench --train --preset quick   one training step, phase by phase"""
+  moebench bench --train --preset quick   one training step, phase by phase
+
+-n/--world-size here is a list of rank counts to sweep (run and verify-parity take one count).
+
+""" + LISTS
+
+WHAT = "What to time"
+SWEEP = "The sweep"
 
 
-@app.command("bench", epilog=EXAMPLES)
+@app.command("bench", epilog=EXAMPLES, cls=PanelCommand)
 def bench(
     ctx: typer.Context,
-    quick: bool = typer.Option(False, "--quick", help="E 4,16; T 1024; k 2; d 256/1024; ranks 1,2; 1 repeat "
-                               "(a flag given beside it wins)."),
-    experts: str = _opt("4,16,64", "--experts", metavar="N,N,...", help="Comma-separated expert counts."),
-    tokens: str = _opt("2048,8192", "--tokens", metavar="N,N,...",
-                       help="Comma-separated tokens per layer call (per rank)."),
-    top_k: str = _opt("2", "--top-k", metavar="K,K,...", help="Comma-separated k values."),
-    d_model: int = _opt(512, "--d-model", metavar="N", help="Model width: each token's size."),
-    d_hidden: int = _opt(2048, "--d-hidden", metavar="N", help="Hidden width of each expert's MLP."),
-    world_size: str = _opt("1,2,4", "--world-size", "-n", metavar="N,N,...",
-                           help="Comma-separated rank counts for the expert-parallel layers."),
-    repeats: Optional[int] = _opt(None, "--repeats", metavar="N", help="Timed runs per layer [3; --quick 1]."),
-    warmup: int = _opt(1, "--warmup", metavar="N", help="Untimed runs per layer before timing."),
+    quick: bool = typer.Option(False, "--quick", rich_help_panel=WHAT, help="E 4,16; T 1024; k 2; d 256/1024; "
+                               "ranks 1,2; 1 repeat (a flag given beside it wins)."),
+    experts: str = _opt("4,16,64", "--experts", rich_help_panel=SWEEP, metavar="N,N,...", help="Expert counts."),
+    tokens: str = _opt("2048,8192", "--tokens", rich_help_panel=SWEEP, metavar="N,N,...",
+                       help="Tokens per layer call (per rank)."),
+    top_k: str = _opt("2", "--top-k", rich_help_panel=SWEEP, metavar="K,K,...", help="k values."),
+    d_model: int = _opt(512, "--d-model", rich_help_panel=SWEEP, metavar="N", help="Model width: each token's size."),
+    d_hidden: int = _opt(2048, "--d-hidden", rich_help_panel=SWEEP, metavar="N",
+                         help="Hidden width of each expert's MLP."),
+    world_size: str = _opt("1,2,4", "--world-size", "-n", rich_help_panel=SWEEP, metavar="N,N,...",
+                           help="Rank counts for the expert-parallel layers."),
+    repeats: Optional[int] = _opt(None, "--repeats", rich_help_panel=SWEEP, metavar="N",
+                                  help="Timed runs per layer [default: 3; --quick 1]."),
+    warmup: int = _opt(1, "--warmup", rich_help_panel=SWEEP, metavar="N",
+                       help="Untimed runs per layer before timing."),
     layers: str = _opt("ideal,dense,reference,reference-balanced,deepspeed-cf1,deepspeed-cf2,fmoe,grouped-mm",
-                       "--layer-kinds", metavar="KIND,...",
-                       help="Comma-separated one-process layer kinds to time (not `run`'s --layers, "
-                            "a count of Transformer blocks)."),
+                       "--layer-kinds", rich_help_panel=SWEEP, metavar="KIND,...",
+                       help="One-process layer kinds to time (not `run`'s --layers, a count of Transformer "
+                            "blocks)."),
     layers_old: Optional[str] = _opt(None, "--layers", hidden=True, help="Old spelling of --layer-kinds."),
-    ep_layers: str = _opt("reference-ep,deepspeed-ep-cf1", "--ep-layer-kinds", metavar="KIND,...|none",
-                          help="Comma-separated expert-parallel layer kinds ('none' to skip them)."),
+    ep_layers: str = _opt("reference-ep,deepspeed-ep-cf1", "--ep-layer-kinds", rich_help_panel=SWEEP,
+                          metavar="KIND,...|none", help="Expert-parallel layer kinds ('none' to skip them)."),
     ep_layers_old: Optional[str] = _opt(None, "--ep-layers", hidden=True, help="Old spelling of --ep-layer-kinds."),
-    comm: bool = typer.Option(False, "--comm", help="Also time the all-to-all exchange alone (gloo; NCCL too "
-                              "where every rank has a GPU)."),
-    train: bool = typer.Option(False, "--train", help="Instead of the layer sweep: one training step of each "
-                               "variant's --preset, phase by phase, against FLOP and bandwidth bounds."),
-    preset: str = _opt("chapter", "--preset", metavar="NAME", help="The preset --train times."),
-    no_profile: bool = typer.Option(False, "--no-profile", help="Skip the torch.profiler breakdowns."),
+    comm: bool = typer.Option(False, "--comm", rich_help_panel=WHAT, help="Also time the all-to-all exchange alone "
+                              "(gloo; NCCL too where every rank has a GPU)."),
+    train: bool = typer.Option(False, "--train", rich_help_panel=WHAT, help="Instead of the layer sweep: one "
+                               "training step of each variant's --preset, phase by phase, against FLOP and bandwidth "
+                               "bounds."),
+    preset: str = _opt("chapter", "--preset", rich_help_panel=WHAT, metavar="NAME", help="The preset --train times."),
+    no_profile: bool = typer.Option(False, "--no-profile", rich_help_panel=WHAT,
+                                    help="Skip the torch.profiler breakdowns."),
     timeout: float = _opt(900.0, "--timeout", metavar="SECONDS",
                           help="Hang deadline of each multi-rank launch: hung ranks are dumped and killed."),
     force: bool = typer.Option(False, "--force", help="Run even when the memory or work estimate refuses."),

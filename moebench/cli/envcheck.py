@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from moebench.cli import flags
+from moebench.cli.help import PanelCommand
 from moebench.envcheck.check import PROBE_TIMEOUT_BOUND  # torch-free: the one limit
 from moebench.errors import UserError
 
@@ -22,7 +23,7 @@ EXAMPLES = """Examples:
   moebench env-check --json > env.json"""
 
 
-@app.command("env-check", epilog=EXAMPLES)
+@app.command("env-check", epilog=EXAMPLES, cls=PanelCommand)
 def env_check(
     as_json: bool = flags.shared_option("as_json"),
     no_probe: bool = typer.Option(False, "--no-probe", help="Skip the live collective probe (2 local ranks)."),

@@ -33,8 +33,13 @@ def _shown(value: Any) -> str | bool:
     return str(value)
 
 
+PANELS = {"preset": "The preset", "model": "Model", "moe": "MoE layer", "engine": "DeepSpeed engine",
+          "train": "Training"}
+"""The help panel of a run flag, by its config section (the launch section's flags go with the output options)."""
+
+
 def leaf_option(spec: config_tree.FieldSpec, *, value: Any = None, shown: Any = None, hidden: bool = False,
-                name: str | None = None):
+                name: str | None = None, panel: str | None = None):
     """The Typer option of one config field. `value` None means "not given" (the preset decides);
     `shown` is the default --help shows."""
     flag = name or spec.name
@@ -44,7 +49,7 @@ def leaf_option(spec: config_tree.FieldSpec, *, value: Any = None, shown: Any = 
     extra: dict[str, Any] = {}
     if spec.meta.get("choices"):
         extra["case_sensitive"] = False  # the annotation is a Literal of the choices (see `annotation`)
-        extra["metavar"] = "|".join(spec.meta["choices"])
+        extra["metavar"] = "|".join(c.lower() for c in spec.meta["choices"])  # as the docs spell them
     elif spec.meta.get("metavar"):
         extra["metavar"] = spec.meta["metavar"]
     if spec.meta.get("bound") is not None:  # read through the field's bound: refused before any work
@@ -54,7 +59,7 @@ def leaf_option(spec: config_tree.FieldSpec, *, value: Any = None, shown: Any = 
         extra["parser"] = bounds.Parser(spec.meta["bound"], tuple(spellings))
     help_text = f"Old spelling of {spec.name}." if hidden else spec.help
     return typer.Option(value, *names, help=help_text, show_default=_shown(shown if value is None else value),
-                        hidden=hidden, **extra)
+                        hidden=hidden, rich_help_panel=panel, **extra)
 
 
 def bounded_option(default: Any, *names: str, bound: bounds.Bound, **kwargs) -> Any:
@@ -78,7 +83,8 @@ def config_parameters(config_cls: type, defaults: dict) -> tuple[list[inspect.Pa
             default = default.get(key) if isinstance(default, dict) else None
         param = "_".join(spec.path)
         names[param] = spec.path
-        params.append(_param(param, annotation(spec), leaf_option(spec, shown=default)))
+        panel = PANELS.get(spec.path[0])
+        params.append(_param(param, annotation(spec), leaf_option(spec, shown=default, panel=panel)))
         for i, alias in enumerate(spec.meta.get("aliases", ())):
             names[f"{param}__alias{i}"] = spec.path
             params.append(_param(f"{param}__alias{i}", annotation(spec), leaf_option(spec, hidden=True, name=alias)))

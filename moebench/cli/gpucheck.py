@@ -10,6 +10,7 @@ import typer
 
 from moebench import bounds
 from moebench.cli import flags
+from moebench.cli.help import PanelCommand
 from moebench.errors import UserError
 
 app = typer.Typer()
@@ -61,7 +62,7 @@ def _print_record(record: dict) -> None:
                                  break_long_words=True))
 
 
-@app.command("gpu-check", epilog=EXAMPLES)
+@app.command("gpu-check", epilog=EXAMPLES, cls=PanelCommand)
 def gpu_check(
     fastmoe_src: Optional[str] = flags.bounded_option(
         None, "--fastmoe-src", bound=SRC_BOUND, metavar="DIR",

@@ -9,6 +9,7 @@ import typer
 
 from moebench.bounds import Items, Name, Path, Text
 from moebench.cli import flags, parity_console
+from moebench.cli.help import LISTS, PanelCommand
 from moebench.errors import UserError
 from moebench.rankenv import debug
 from moebench.rankenv import is_printer as _is_printer
@@ -30,22 +31,27 @@ def _library_names_known() -> list[str]:
     return list(known())
 
 
+def _listed(item: str) -> str:
+    """A pattern for one item, or several separated by commas (the list convention: moebench.cli.help.LISTS)."""
+    return rf"{item}(?:,{item})*"
+
+
 BOUNDS = {
     "--checks": Items(item=Name(what="check", choices=_check_names,
                                  listed_by="moebench verify-parity --list"), example="experts"),
     "--tolerance": Name(what="tolerance", choices=lambda: list(TOLERANCES)),
     "--library": Items(item=Name(what="library", choices=_library_names_known,
                                   listed_by="moebench verify-parity --list"), example="fairscale"),
-    "--impl": Text(what="KEY=package.module:attribute", pattern=r"[a-z-]+=[A-Za-z_][\w.]*:[A-Za-z_][\w.]*"),
+    "--impl": Text(what="KEY=package.module:attribute", pattern=_listed(r"[a-z-]+=[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")),
     "--ds-config": Path(folder=False, must_exist=True),
     "--hf-config": Path(folder=False, must_exist=True),
     "--recipe": Path(folder=False, must_exist=True),
     "--torchtitan-args": Text(what="torchtitan.train argument list", max_chars=4096),
-    "--allow-import": Text(what="Python module name", pattern=r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*",
+    "--allow-import": Text(what="Python module name", pattern=_listed(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"),
                            hint="a dotted module name, e.g. my_pkg.models"),
     "--repro": Path(folder=True, writable=True),
     "--adapter": Text(what="package.module:ATTRIBUTE", pattern=r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*"),
-    "--row": Text(what="row key or glob", pattern=r"[^\s,]+"),
+    "--row": Text(what="row key or glob", pattern=_listed(r"[^\s,]+")),
 }
 """verify-parity's own valued options (the shared ones carry their config field's bound)."""
 
@@ -81,48 +87,130 @@ def _print_notes(summary_extra: dict) -> None:
                                            break_on_hyphens=False)))
 
 
-EXAMPLES = """Examples:
+EXAMPLES = f"""Examples:
 
 \b
-  moebench verify-parity -n 4            every check on 4 local ranks
+  moebench verify-parity -n 4            every built-in check on 4 local ranks
   moebench verify-parity -n 2 --checks ddp-sgd,experts
   moebench verify-parity -n 9 --checks experts --tolerance seed \\
       --impl experts=soft_moe_pytorch.soft_moe:Experts
+  moebench verify-parity --list          the checks, the libraries, releases
   moebench verify-parity --library fairscale,transformers
   moebench verify-parity --library deepspeed --resume -n 4
   moebench verify-parity --library deepspeed -n 2 --row '*/zero0/ep=2/w2/clip'
+  moebench verify-parity --torchtitan-args '--module qwen3 \\
+      --config qwen3_30b_a3b --parallelism.expert_parallel_degree 8 \\
+      --training.disable_cuda_graphs'
   moebench verify-parity --adapter my_pkg.moe_adapter:ADAPTER -n 2
-  moebench verify-parity --list"""
+
+{LISTS}
+
+Exit status: 0 every check or row that ran passed; 1 one failed, or none ran;
+2 bad input (one line naming the flag)."""
+
+CHECKS = "The built-in checks"
+LIBRARY = "A library"
+LAUNCH = "Your launch (read by the framework's own parser)"
+LAYER = "Your layer"
+RESUME = "Resume and repro"
 
 
-@app.command("verify-parity", epilog=EXAMPLES)
+def _joined(values: List[str], flag: str) -> Optional[str]:
+    """A list flag's values, repeated or comma-separated, as one comma list (None: not given); an item given twice
+    is refused as a comma list's repeat is."""
+    if not values:
+        return None
+    items = [item for value in values for item in value.split(",")]
+    twice = sorted({item for item in items if items.count(item) > 1})
+    if twice:
+        raise UserError(f"{', '.join(twice)} given twice; name each once", flag=flag)
+    return ",".join(items)
+
+
+def _split(values: List[str]) -> List[str]:
+    """A repeatable flag's values with comma-separated ones split (the list convention)."""
+    return [item for value in values for item in value.split(",")]
+
+
+@app.command("verify-parity", epilog=EXAMPLES, cls=PanelCommand)
 def verify_parity(
     ctx: typer.Context,
+    checks: List[str] = flags.bounded_option(
+        [], "--checks", bound=BOUNDS["--checks"], metavar="NAME,...", rich_help_panel=CHECKS,
+        help="Which checks to run (default: all; see --list).",
+    ),
+    tolerance: str = flags.bounded_option(
+        "strict", "--tolerance", bound=BOUNDS["--tolerance"], metavar="strict|seed", rich_help_panel=CHECKS,
+        help="strict: relative to the magnitude compared, with an absolute floor; seed: each seed's own "
+             "assertions, exactly (docs/verify-parity.md).",
+    ),
+    impl: List[str] = flags.bounded_option(
+        [], "--impl", bound=BOUNDS["--impl"], metavar="KEY=MOD:ATTR", rich_help_panel=CHECKS,
+        help="Your function or class in place of moebench's inside a built-in check: KEY all-gather, experts, "
+        "ddp, replicate, moe, moe-sync or switch-gate (contracts: docs/verify-parity.md).",
+    ),
+    library: List[str] = flags.bounded_option(
+        [], "--library", bound=BOUNDS["--library"], metavar="NAME,...", rich_help_panel=LIBRARY,
+        help="An installed MoE library's expert parallelism against one process: its rows (model x backend x "
+        "EP mode) at 2 and 4 ranks, or at --world-size (see --list; docs/libraries/README.md).",
+    ),
+    row: List[str] = flags.bounded_option(
+        [], "--row", bound=BOUNDS["--row"], metavar="KEY", rich_help_panel=LIBRARY,
+        help="Only the rows whose key matches (a shell glob; --list --library NAME prints the keys), e.g. "
+        "--row 'deepspeed/engine/zero0/ep=2/w2/clip'.",
+    ),
+    ds_config: Optional[str] = flags.bounded_option(
+        None, "--ds-config", bound=BOUNDS["--ds-config"], metavar="FILE", rich_help_panel=LAUNCH,
+        help="Your DeepSpeed config: its ZeRO stage, gradient_clipping, gradient_accumulation_steps and "
+        "precision on the engine rows (and AutoEP's, with --library autoep); its optimizer replaced by SGD "
+        "(implies --library deepspeed).",
+    ),
+    hf_config: Optional[str] = flags.bounded_option(
+        None, "--hf-config", bound=BOUNDS["--hf-config"], metavar="FILE", rich_help_panel=LAUNCH,
+        help="Your model's config.json (as from_pretrained reads it): its MoE settings kept, its sizes shrunk "
+        "(implies --library transformers; autoep and automodel read it too).",
+    ),
+    recipe: Optional[str] = flags.bounded_option(
+        None, "--recipe", bound=BOUNDS["--recipe"], metavar="FILE", rich_help_panel=LAUNCH,
+        help="Your NeMo Automodel recipe YAML, read by Automodel's own loader (implies --library automodel).",
+    ),
+    torchtitan_args: Optional[str] = flags.bounded_option(
+        None, "--torchtitan-args", bound=BOUNDS["--torchtitan-args"], metavar="ARGS", rich_help_panel=LAUNCH,
+        help="Your torchtitan launch: the arguments you give torchtitan.train, in one string, e.g. "
+        "--torchtitan-args='--module deepseek_v3 --config deepseek_v3_16b' (implies --library torchtitan).",
+    ),
+    allow_import: List[str] = flags.bounded_option(
+        [], "--allow-import", bound=BOUNDS["--allow-import"], metavar="MODULE", rich_help_panel=LAUNCH,
+        help="Let a --recipe _target_ or a --torchtitan-args --module name code outside its framework: that "
+        "module (and those under it) is imported.",
+    ),
+    adapters: List[str] = flags.bounded_option(
+        [], "--adapter", bound=BOUNDS["--adapter"], metavar="MOD:ATTR", rich_help_panel=LAYER,
+        help="Your whole MoE layer, verified like a library: an adapter object (package.module:ATTRIBUTE; "
+        "moebench.testing.Layer makes one from your layer's factory in a few lines; docs/adding-a-library.md).",
+    ),
+    resume: bool = typer.Option(
+        False, "--resume", rich_help_panel=RESUME,
+        help="Add the resume rows: the framework's own save and load on a tiny model (not your checkpoint "
+        "files), into a fresh model at the same and another layout, then continue; vs the uninterrupted run. A "
+        "load the library refuses reads 'refused' (its message) and does not fail the run.",
+    ),
+    repro: Optional[str] = flags.bounded_option(
+        None, "--repro", bound=BOUNDS["--repro"], metavar="DIR", rich_help_panel=RESUME,
+        help="Write a standalone script (python, torch and the library only) reproducing each failing row "
+        "into DIR, for an upstream bug report.",
+    ),
     world_size: Optional[int] = flags.leaf_option(flags.SHARED_FIELDS["world_size"], value=None,
                                                   shown="4; with --library: 2 and 4"),
-    checks: Optional[str] = flags.bounded_option(
-        None, "--checks", bound=BOUNDS["--checks"], metavar="NAMES",
-        help="Comma-separated check names (default: all; see --list)."
-    ),
-    list_checks: bool = flags.shared_option("list_names"),
     timeout: float = flags.shared_option("timeout_s", 120.0),
     comm_backend: flags.annotation(flags.SHARED_FIELDS["comm_backend"]) = flags.shared_option("comm_backend", "auto"),
     backend_old: flags.annotation(flags.SHARED_FIELDS["comm_backend"]) = typer.Option(
         None, "--backend", hidden=True, case_sensitive=False, help="Old spelling of --comm-backend."
     ),
-    tolerance: str = flags.bounded_option(
-        "strict", "--tolerance", bound=BOUNDS["--tolerance"], metavar="strict|seed",
-        help="strict: relative to the magnitude compared, with an absolute floor; seed: each seed's own "
-             "assertions, exactly (docs/verify-parity.md).",
-    ),
-    impl: List[str] = flags.bounded_option(
-        [],
-        "--impl",
-        bound=BOUNDS["--impl"],
-        metavar="KEY=MOD:ATTR",
-        help="Verify your code: KEY all-gather, experts, ddp, replicate, moe, moe-sync or switch-gate "
-        "(repeatable; contracts: docs/verify-parity.md).",
-    ),
+    seed: int = flags.shared_option("seed", 0),
+    list_checks: bool = typer.Option(
+        False, "--list", help="List the checks and the libraries (with their releases) and exit; with --library "
+        "or --adapter, the rows and their keys."),
     as_json: bool = flags.shared_option("as_json"),
     json_full: bool = typer.Option(
         False, "--json-full", help="With --json: print every comparison of every check (--json alone prints each "
@@ -132,60 +220,14 @@ def verify_parity(
         False, "--debug-collectives", help="TORCH_DISTRIBUTED_DEBUG=DETAIL in every rank."
     ),
     results_dir: Optional[str] = flags.shared_option("results_dir"),
-    seed: int = flags.shared_option("seed", 0),
-    library: Optional[str] = flags.bounded_option(
-        None, "--library", bound=BOUNDS["--library"], metavar="NAME[,NAME]",
-        help="Verify installed MoE libraries instead of the checks: each library's rows (model x backend x "
-        "EP mode) at world sizes 2 and 4, or at --world-size when given (see --list; docs/libraries.md).",
-    ),
-    ds_config: Optional[str] = flags.bounded_option(
-        None, "--ds-config", bound=BOUNDS["--ds-config"], metavar="FILE",
-        help="Verify your DeepSpeed config: its ZeRO stage, gradient_clipping, gradient_accumulation_steps "
-        "and precision on the engine rows (and AutoEP's, with --library autoep), optimizer replaced by SGD "
-        "(implies --library deepspeed).",
-    ),
-    hf_config: Optional[str] = flags.bounded_option(
-        None, "--hf-config", bound=BOUNDS["--hf-config"], metavar="FILE",
-        help="Verify your model: a config.json (as from_pretrained reads it), its MoE settings kept, its sizes "
-        "shrunk (implies --library transformers; autoep and automodel read it too).",
-    ),
-    recipe: Optional[str] = flags.bounded_option(
-        None, "--recipe", bound=BOUNDS["--recipe"], metavar="FILE",
-        help="Verify your NeMo Automodel recipe YAML, read by Automodel's own loader (implies --library "
-        "automodel).",
-    ),
-    torchtitan_args: Optional[str] = flags.bounded_option(
-        None, "--torchtitan-args", bound=BOUNDS["--torchtitan-args"], metavar="ARGS",
-        help="Verify your torchtitan launch: the arguments you give torchtitan.train, in one string, e.g. "
-        "--torchtitan-args='--module deepseek_v3 --config deepseek_v3_16b' (implies --library torchtitan).",
-    ),
-    allow_import: List[str] = flags.bounded_option(
-        [], "--allow-import", bound=BOUNDS["--allow-import"], metavar="MODULE",
-        help="Let a --recipe _target_ or a --torchtitan-args --module name code outside its framework: that "
-        "module (and those under it) is imported (repeatable).",
-    ),
-    repro: Optional[str] = flags.bounded_option(
-        None, "--repro", bound=BOUNDS["--repro"], metavar="DIR",
-        help="With --library: write a standalone script (python, torch and the library only) reproducing each "
-        "failing row into DIR, for an upstream bug report (docs/libraries.md).",
-    ),
-    resume: bool = typer.Option(
-        False, "--resume", help="With --library: add the resume rows (save, load into a fresh model at the same "
-        "and another layout, continue; vs the uninterrupted run). A load the library refuses is verdict "
-        "'refused' (its message), which does not fail the run.",
-    ),
-    adapters: List[str] = flags.bounded_option(
-        [], "--adapter", bound=BOUNDS["--adapter"], metavar="MOD:ATTR",
-        help="Verify your own MoE: run the rows of your adapter object (package.module:ATTRIBUTE, written against "
-        "moebench.libraries.spec; docs/adding-a-library.md) like a built-in library's.",
-    ),
-    row: List[str] = flags.bounded_option(
-        [], "--row", bound=BOUNDS["--row"], metavar="KEY",
-        help="With --library or --adapter: run only the rows whose key matches (shell glob; repeatable), e.g. "
-        "--row 'deepspeed/engine/zero0/ep=2/w2/clip'.",
-    ),
 ) -> None:
-    """Run the parity checks: exit 0 when all ran passed, 1 when any failed or none ran, 2 on bad input."""
+    """Check expert-parallel MoE code on several ranks against the same mathematics on one process.
+
+    What it checks: moebench's built-in checks (the chapter's seeds), an installed library (--library), your
+    launch's settings, or your own layer (--adapter). Each failure is named by the mechanism it matches."""
+    checks = _joined(checks, "--checks")
+    library = _joined(library, "--library")
+    impl, row, allow_import = _split(impl), _split(row), _split(allow_import)
     if json_full and not as_json:
         raise UserError("prints every comparison of --json's document; add --json", flag="--json-full")
     if len(adapters) > 1:

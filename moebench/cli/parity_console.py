@@ -32,7 +32,8 @@ def print_list(as_json: bool) -> None:
              "min_world_size": c.min_world_size, "max_world_size": c.max_world_size,
              "requires": list(c.requires), "impl_keys": list(c.impl_keys)} for c in checks],
             "import_errors": {m: e.strip().splitlines()[-1] for m, e in IMPORT_ERRORS.items()},
-            "libraries": [{**dataclasses.asdict(s), "can_run": s.why_not is None} for s in statuses]}, indent=2))
+            "libraries": [{**dataclasses.asdict(s), "can_run": s.why_not is None} for s in statuses],
+            "compatibility": compatibility_records()}, indent=2))
         return
     from rich import box
     from rich.markup import escape
@@ -60,6 +61,22 @@ def print_list(as_json: bool) -> None:
         console.print(f"[yellow]check module {module} did not import: {error.strip().splitlines()[-1]}[/]")
     typer.echo("\nlibraries (verify-parity --library NAME):")
     typer.echo(library_list(statuses))
+    from moebench.libraries import compatibility
+    from moebench.libraries.records import WIDTH
+
+    typer.echo("")
+    from importlib.metadata import version
+
+    typer.echo("\n".join(compatibility.console_lines({s.name: s.version for s in statuses}, WIDTH, version("torch"))))
+
+
+def compatibility_records() -> list[dict]:
+    """The compatibility table as --list --json gives it: one record per declared release."""
+    import dataclasses
+
+    from moebench.libraries import compatibility
+
+    return [{"library": name, **dataclasses.asdict(r)} for name, r in compatibility.entries()]
 
 
 def print_rows(rows: list[dict], as_json: bool) -> None:

@@ -11,6 +11,7 @@ import typer
 from moebench import bounds
 from moebench.bounds import Name
 from moebench.cli import flags
+from moebench.cli.help import PanelCommand
 
 app = typer.Typer()
 
@@ -28,7 +29,7 @@ EXAMPLES = """Examples:
   moebench report results/fastmoe/<run-id> results/fastmoe/<run-id>"""
 
 
-@app.command("report", epilog=EXAMPLES)
+@app.command("report", epilog=EXAMPLES, cls=PanelCommand)
 def report(
     runs: Optional[List[str]] = typer.Argument(
         None, metavar="RUN", parser=bounds.Parser(RUN_BOUND, ("RUN",)),

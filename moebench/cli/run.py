@@ -12,7 +12,7 @@ from moebench import config as config_tree
 from moebench import variants
 from moebench.cli import flags
 from moebench.cli.common import run_and_report
-from moebench.cli.help import WholeSentenceGroup
+from moebench.cli.help import LISTS, PanelCommand, WholeSentenceGroup
 
 app = typer.Typer(help="Train a Transformer-MoE variant on random data and record the results.",
                   no_args_is_help=True, cls=WholeSentenceGroup)
@@ -38,6 +38,7 @@ def _command(variant: variants.Variant):
     common = [
         flags._param("preset", str | None, flags.bounded_option(
             None, "--preset", bound=preset_bound(variant.name), metavar="NAME", show_default=variant.default_preset,
+            rich_help_panel=flags.PANELS["preset"],
             help=f"experiments/{variant.name}/<NAME>.json: {presets}. Flags override it.")),
         flags._param("show_config", bool, typer.Option(
             False, "--show-config", help="Print the resolved config (flags over preset) as JSON and exit.")),
@@ -128,8 +129,10 @@ def _examples(variant: variants.Variant) -> str:
     lines += [(f"moebench run {name} --preset {p}", "") for p in others]
     lines += [(f"moebench run {name} -n 2 --steps 20", "two local ranks, 20 steps")]
     lines += [(f"moebench run {name} --show-config", "the resolved config; runs nothing")]
-    return "Examples:\n\n\b\n" + "\n".join(f"  {cmd:<40} {what}".rstrip() for cmd, what in lines)
+    return ("Examples:\n\n\b\n" + "\n".join(f"  {cmd:<40} {what}".rstrip() for cmd, what in lines)
+            + f"\n\n{LISTS}")
 
 
 for _variant in variants.VARIANTS:
-    app.command(_variant.name, help=_variant.description, epilog=_examples(_variant))(_command(_variant))
+    app.command(_variant.name, help=_variant.description, epilog=_examples(_variant), cls=PanelCommand)(
+        _command(_variant))

@@ -12,6 +12,7 @@ import typer
 
 from moebench.bounds import Name
 from moebench.cli import flags
+from moebench.cli.help import PanelCommand
 
 app = typer.Typer()
 
@@ -30,7 +31,7 @@ EXAMPLES = """Examples:
   moebench runs --kind fastmoe --json"""
 
 
-@app.command("runs", epilog=EXAMPLES)
+@app.command("runs", epilog=EXAMPLES, cls=PanelCommand)
 def runs(
     kind: Optional[str] = flags.bounded_option(
         None, "--kind", bound=KIND_BOUND, metavar="KIND",

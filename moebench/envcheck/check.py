@@ -17,9 +17,10 @@ COMM = "Communication"
 PROBE = "Collective probe"
 DEEPSPEED = "DeepSpeed"
 FASTMOE = "fastmoe"
+FRAMEWORKS = "MoE frameworks (verify-parity --library)"
 REFERENCE = "Chapter's reference stack"
 CAPABILITIES = "What can run here"
-SECTIONS = (PLATFORM, TORCH_CUDA, COMM, PROBE, DEEPSPEED, FASTMOE, REFERENCE, CAPABILITIES)
+SECTIONS = (PLATFORM, TORCH_CUDA, COMM, PROBE, DEEPSPEED, FASTMOE, FRAMEWORKS, REFERENCE, CAPABILITIES)
 
 
 @dataclasses.dataclass(kw_only=True)

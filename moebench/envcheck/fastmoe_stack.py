@@ -177,8 +177,25 @@ def env_check(environ=None) -> Check:
 
 def build_check(*, torch_cuda: str | None, nvcc_release: str | None, nvcc_error: str, headers_ok: bool,
                 cuda_home: str | None, toolkit_root: str | None, cxx: str | None,
-                nccl_header: str | None, torch_nccl: str | None, use_nccl: bool) -> Check:
-    """Pure verdict: could `python setup.py install` of fastmoe succeed here, and with distributed experts?"""
+                nccl_header: str | None, torch_nccl: str | None, use_nccl: bool, gpus: bool = True) -> Check:
+    """Could `python setup.py install` of fastmoe succeed here, and with distributed experts? Where no GPU is
+    present (`gpus` False: a CUDA build of torch on a laptop, a login node, CI), a build that cannot succeed is a
+    warning, not a failure: fmoe could not run here either, and `run fastmoe` takes the reference port."""
+    check = _build_verdict(torch_cuda=torch_cuda, nvcc_release=nvcc_release, nvcc_error=nvcc_error,
+                           headers_ok=headers_ok, cuda_home=cuda_home, toolkit_root=toolkit_root, cxx=cxx,
+                           nccl_header=nccl_header, torch_nccl=torch_nccl, use_nccl=use_nccl)
+    if check.status == FAIL and not gpus:
+        check.status = WARN
+        check.found += (" (no GPU here: fmoe could not run on this machine either; `run fastmoe` uses the "
+                        "reference port)")
+        check.hint += "; only where you will run fmoe on a GPU"
+    check.data["gpus"] = gpus
+    return check
+
+
+def _build_verdict(*, torch_cuda: str | None, nvcc_release: str | None, nvcc_error: str, headers_ok: bool,
+                   cuda_home: str | None, toolkit_root: str | None, cxx: str | None,
+                   nccl_header: str | None, torch_nccl: str | None, use_nccl: bool) -> Check:
     base = dict(id="fastmoe.build", section=FASTMOE, title="can build fastmoe",
                 required="a CUDA torch, nvcc of the same CUDA major (torch refuses others, warns on minor), "
                          "a C++ compiler; with USE_NCCL=1 also nccl.h and NCCL >= 2.7.5",
@@ -249,5 +266,6 @@ def checks(lookup: Callable[[str], Check | None]) -> list[Check]:
         headers_ok=bool(nvcc.get("headers_ok")), cuda_home=nvcc.get("torch_cuda_home"),
         toolkit_root=nvcc.get("toolkit_root"), cxx=cxx, nccl_header=data("comm.nccl_header").get("path"),
         torch_nccl=data("comm.nccl_version").get("version"), use_nccl=os.environ.get("USE_NCCL", "1") == "1",
+        gpus=cuda_usable or bool(data("cuda.devices").get("nvidia_smi_gpus")),
     ))
     return out

@@ -12,12 +12,13 @@ from moebench.envcheck import (
     constraints,
     deepspeed_stack,
     fastmoe_stack,
+    frameworks,
     host,
     reference_stack,
     torch_cuda,
 )
 from moebench.envcheck import probe as collective_probe
-from moebench.envcheck.check import Check, Report, require_probe_timeout
+from moebench.envcheck.check import PLATFORM, Check, Report, require_probe_timeout
 from moebench.version import __version__
 
 DEFAULT_PROBE_TIMEOUT_S = 30.0
@@ -46,6 +47,9 @@ def run_all(probe: bool = True, probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S
     ds_import = deepspeed_stack.import_deepspeed() if import_deepspeed and deepspeed_stack.installed() else None
     checks += deepspeed_stack.checks(ds_import)
     checks += fastmoe_stack.checks(lookup)
+    if mode == "full":  # not in a training run's env.json: the frameworks are verify-parity's, not the run's
+        checks += frameworks.checks((lookup("torch.version") or Check(id="-", section=PLATFORM, title="-",
+                                                                      status="skip", found="")).data.get("version"))
     checks += reference_stack.checks(lookup)
     checks += capabilities.checks(lookup)
     return Report(checks=checks, mode=mode, created=created, elapsed_s=time.monotonic() - start,

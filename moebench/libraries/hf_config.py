@@ -155,7 +155,7 @@ def read(path: str, *, flag: str = FLAG, families: tuple[str, ...] | None = None
                         f"model_type is one of {', '.join(known)}", flag=flag)
     if model_type not in known:
         raise UserError(f"{path} is a {model_type!r} model; the rows build {', '.join(known)}: give one of those "
-                        "(docs/libraries.md, \"verify your own launch\")", flag=flag)
+                        "(docs/libraries/transformers.md#your-launch)", flag=flag)
     config = _parse(path, raw, flag)
     family = FAMILIES[model_type]
     _check_routing(path, raw, config, family, flag)

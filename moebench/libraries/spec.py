@@ -108,6 +108,46 @@ def settings_problem(settings: Any) -> str:
     return ""
 
 
+VERIFIED = "verified"
+"""A release's rows run here and their verdicts are moebench's (passes, or findings named and asserted)."""
+REFUSED = "refused"
+"""moebench does not run the release's rows (it could not be honest about them): the reason says why."""
+SKIPPED = "skipped"
+"""The release, or some of its rows, cannot run here (it does not install or import on this torch / CPU, or its own
+code needs what this torch lacks): the reason says which and why."""
+RELEASE_STATUSES = (VERIFIED, REFUSED, SKIPPED)
+MEASURED_TORCH = "2.13.0"
+"""The torch every release below was measured on unless its entry says otherwise (CPU build, gloo)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Release:
+    """One release, or a range of releases that gave the same, as measured: a line of the compatibility table."""
+
+    versions: str
+    """"0.19.8", a range "0.13.1-0.16.0", or "<= 0.14.0"."""
+    status: str
+    """One of RELEASE_STATUSES."""
+    result: str
+    """What its rows give (VERIFIED: "passes", or the findings with their upstream numbers), or why not."""
+    pinned: bool = False
+    """The release moebench/constraints.txt installs."""
+    torch: str = MEASURED_TORCH
+    """The torch it was measured on."""
+    measured_by: str = ""
+    """The test that asserts it (a path under tests/; the slow tier for side-installed releases); "" when it was
+    measured once by hand."""
+
+    def __post_init__(self) -> None:
+        if self.status not in RELEASE_STATUSES:
+            raise ValueError(f"release {self.versions}: status {self.status!r} not in {RELEASE_STATUSES}")
+
+    def line(self) -> str:
+        pinned = " (pinned)" if self.pinned else ""
+        return f"{self.versions}{pinned}: {self.result}" if self.status == VERIFIED else \
+            f"{self.versions}{pinned}: {self.status}, {self.result}"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Row:
     """One row of the conformance matrix: what to build and how to run it (picklable; data only)."""
@@ -209,9 +249,13 @@ class Adapter:
         """The one command that installs the library (shown when it is missing)."""
         return install_hint(self.extra) if self.extra else f"pip install {self.dist_name or self.import_name}"
 
+    compatibility: tuple["Release", ...] = ()
+    """Every release range of the library as moebench measured it, newest first (moebench.libraries.compatibility
+    makes --list's, env-check's and the docs' table from it)."""
+
     def releases(self) -> str | None:
         """One line on which releases of the library run here and why the others do not, as measured (shown by
-        --list); None: nothing said."""
+        --list); None: nothing said (a built-in adapter declares `compatibility` instead: --list's table)."""
         return None
 
     def unavailable(self) -> str | None:

@@ -12,6 +12,7 @@ The schemas are chosen by file name (results/<kind>/<run-id>/<name>):
     env.json       env.schema.json        (moebench.env/1)
     envcheck.json  envcheck.schema.json   (moebench.env-check/1)
     gpucheck.json  gpucheck.schema.json   (moebench.gpu-check/1)
+    checkpoint.json checkpoint.schema.json (moebench.checkpoint/1)
     metrics.jsonl  metrics.schema.json    (every line; no `schema` key)
 
 Torch-free; jsonschema (a dependency: moebench.results.read_back validates every file it reads)
@@ -36,6 +37,7 @@ SCHEMA_FILES = {
     "env.json": "env.schema.json",
     "envcheck.json": "envcheck.schema.json",
     "gpucheck.json": "gpucheck.schema.json",
+    "checkpoint.json": "checkpoint.schema.json",
     "metrics.jsonl": "metrics.schema.json",
 }
 """Results file name -> the schema file (in this package) that describes it."""

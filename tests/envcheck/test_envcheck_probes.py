@@ -126,6 +126,17 @@ def test_can_build_fastmoe_verdicts(change, status, words):
     assert check.status == status and words in check.found, check.found
 
 
+@pytest.mark.parametrize("change", [{"headers_ok": False}, {"nvcc_release": None, "nvcc_error": "not found"},
+                                    {"nvcc_release": "11.8"}])
+def test_a_build_that_cannot_work_without_a_gpu_is_a_warning(change):
+    """A CUDA build of torch on a machine without a GPU (a laptop, a login node, CI): fmoe could not run there
+    either, so the build's verdict warns instead of failing env-check; with a GPU the same is a failure."""
+    without = fastmoe_stack.build_check(**{**BUILD_OK, **change}, gpus=False)
+    assert without.status == WARN and "no GPU here" in without.found and without.found.startswith("no: ")
+    assert fastmoe_stack.build_check(**{**BUILD_OK, **change}, gpus=True).status == FAIL
+    assert fastmoe_stack.build_check(**BUILD_OK, gpus=False).status == OK
+
+
 @pytest.mark.parametrize("version, raw, cuda_build, status", [
     ((2, 19, 3), "(2, 19, 3)", True, OK),
     ((2, 7, 5), "2705", True, OK),
@@ -223,8 +234,11 @@ def test_jit_cache_lists_built_ops(tmp_path, monkeypatch):
 
 def test_default_jit_cache_folder_is_per_python_and_accelerator(monkeypatch):
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    import torch
+
     root = deepspeed_stack.extensions_root()
-    assert os.path.basename(root) == f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
+    accelerator = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"  # a CUDA build: cu132
+    assert os.path.basename(root) == f"py{sys.version_info.major}{sys.version_info.minor}_{accelerator}"
     assert "torch_extensions" in root
 
 

@@ -6,7 +6,7 @@ subprocess gets it through tests/faults/inject/sitecustomize.py). Each is a bug 
   optimizer state is loaded (an index map off by one slot);
 - "wrong-group-state": every rank's experts get the ZeRO optimizer state (masters, Adam moments) the NEXT
   rank loaded, i.e. that of another rank of the wrong expert group (DeepSpeed's elastic path with the D + E layout
-  does this by itself: docs/libraries.md);
+  does this by itself: docs/libraries/deepspeed.md);
 - "one-rank-experts": at the save every rank writes rank 0's experts under its own experts' names
   (KempnerForge #202);
 - "skip-experts": the load leaves every expert's module weights at the fresh initialisation.

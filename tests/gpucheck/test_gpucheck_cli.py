@@ -29,6 +29,13 @@ FAKE_GPUS = preflight.Gpus(python=sys.executable, torch="2.11.0+cu130", torch_cu
                            names=("Stand-in GPU",))
 
 
+def _refusal_here() -> str:
+    """What the refusal says on this machine: a CPU build of torch, or a CUDA build that sees no GPU."""
+    if torch.version.cuda is None:
+        return f"no CUDA GPU: torch {torch.__version__} is a CPU build; pass PYTHON= one with a CUDA torch"
+    return f"no CUDA GPU: torch {torch.__version__} (CUDA {torch.version.cuda}) sees none; check nvidia-smi"
+
+
 def test_the_refusals_are_one_line_each():
     cases = {preflight.Gpus(python="/x/python3", torch=None, torch_cuda=None, count=0, import_error="No module"):
              "no CUDA GPU: /x/python3 has no torch; pass PYTHON= one with a CUDA torch",
@@ -48,8 +55,7 @@ def test_the_command_refuses_without_a_gpu_and_creates_nothing(tmp_path):
     done = subprocess.run([sys.executable, "-m", "moebench", "gpu-check", "--results-dir", str(root)],
                           capture_output=True, text=True, timeout=CLI_TIMEOUT_S, cwd=tmp_path)
     assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr.splitlines() == [f"error: no CUDA GPU: torch {torch.__version__} is a CPU build; "
-                                        "pass PYTHON= one with a CUDA torch"]
+    assert done.stderr.splitlines() == [f"error: {_refusal_here()}"]
     assert list(tmp_path.iterdir()) == []
 
 
@@ -67,7 +73,7 @@ def test_make_gpu_check_refuses_in_one_line_with_exit_2_and_creates_nothing(tmp_
     done = _make(tmp_path, PYTHON=sys.executable)
     lines = (done.stdout + done.stderr).splitlines()
     assert done.returncode == 2 and len(lines) == 1, lines
-    assert f"no CUDA GPU: torch {torch.__version__} is a CPU build" in lines[0]
+    assert _refusal_here() in lines[0]
     assert sorted(p.name for p in REPO.iterdir()) == before and list(tmp_path.iterdir()) == []
 
 

@@ -233,7 +233,7 @@ def verdicts(summary: dict) -> dict[str, str]:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_the_whole_matrix_on_the_pinned_release(world_size, tmp_path):
     """Every row passes but the findings (DeepSpeed#8475; the refused client optimizer; AutoEP as shipped with
-    transformers 5.23+), with no vacuous comparison; 51 s (W = 2), 80 s (W = 4) here (docs/libraries.md)."""
+    transformers 5.23+), with no vacuous comparison; 51 s (W = 2), 80 s (W = 4) here (docs/libraries/autoep.md)."""
     summary = cli_rows(world_size, tmp_path)
     assert verdicts(summary) == {r.key(): expected(r) for r in ADAPTER.rows(world_size)}
     assert summary["vacuous_total"] == 0

@@ -1,8 +1,8 @@
 """Real releases around the pinned ones, side-installed (slow tier): older DeepSpeed releases that ship AutoEP
 (0.19.2, its first; 0.19.5) with the venv's transformers, and transformers 5.22.2 (the newest AutoEP runs with as
 shipped) with the pinned DeepSpeed. Each is `pip install --target` into a cache folder (never the venv) and put first
-on PYTHONPATH of a CLI run; the test asserts every row's verdict and finding (docs/libraries.md gives each finding
-with its upstream issue)."""
+on PYTHONPATH of a CLI run; the test asserts every row's verdict and finding (docs/libraries/autoep.md gives each
+finding with its upstream issue)."""
 
 from __future__ import annotations
 

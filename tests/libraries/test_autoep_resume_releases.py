@@ -1,7 +1,7 @@
 """AutoEP resume rows on real DeepSpeed releases (slow tier): 0.19.8 (pinned), 0.19.5, 0.19.4 and 0.19.2, each with
 the transformers AutoEP runs with as shipped (5.22.2: compat.AS_SHIPPED; no shim), side-installed with `pip install
 --target` into a cache folder (never the venv) and put first on PYTHONPATH of a CLI run. Every row's verdict and
-finding is asserted; docs/libraries.md cites each finding's upstream issue."""
+finding is asserted; docs/libraries/autoep.md cites each finding's upstream issue."""
 
 from __future__ import annotations
 

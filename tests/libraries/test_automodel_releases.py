@@ -1,6 +1,6 @@
 """Older NeMo Automodel releases, side-installed (pip's --target, never into the venv) and first on PYTHONPATH of a
-CLI run (slow tier): each release's verdicts and diagnoses as measured here (docs/libraries.md, "NeMo Automodel
-releases", has the upstream fixes). A failing row on a real release is a finding: asserted, not skipped."""
+CLI run (slow tier): each release's verdicts and diagnoses as measured here (docs/libraries/automodel.md,
+"Findings", has the upstream fixes). A failing row on a real release is a finding: asserted, not skipped."""
 
 from __future__ import annotations
 

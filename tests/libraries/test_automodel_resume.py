@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+from helpers.automodel_torch import runs_its_parallelizer
 
 pytestmark = [pytest.mark.multirank,
               pytest.mark.skipif(importlib.util.find_spec("nemo_automodel") is None,
@@ -26,6 +27,7 @@ def _rows(pattern: str = "*/torch_mm/*/w2/resume", world_size: int = 2, seed: in
     return run_rows(ADAPTER, world_size=world_size, rows=[pattern], resume=True, seed=seed)
 
 
+@runs_its_parallelizer
 def test_the_pinned_release_restores_every_slot_and_continues_bit_for_bit():
     records = _rows("*/w2/resume*")
     assert [(r["check"].rsplit("/", 1)[1], r["backend"], r["verdict"]) for r in records] == [
@@ -43,6 +45,7 @@ def _swap_in_saved(monkeypatch, wrapper: str, key_end: str):
     swap_in_saved(monkeypatch.setattr, wrapper, key_end)
 
 
+@runs_its_parallelizer
 @pytest.mark.faults
 def test_two_experts_swapped_in_the_checkpoint_are_named_slot_by_slot(monkeypatch):
     _swap_in_saved(monkeypatch, "ModelState", EXPERTS)
@@ -51,6 +54,7 @@ def test_two_experts_swapped_in_the_checkpoint_are_named_slot_by_slot(monkeypatc
     assert "rank 0, local slot 0 holds global expert 1's weights; it should hold expert 0" in record["diagnosis"]
 
 
+@runs_its_parallelizer
 def test_a_checkpoint_saved_at_ep_2_loads_at_ep_4_with_every_slot_restored():
     """W = 4: saved under EP 2 (each expert on 2 ranks, Automodel's ep_shard 2), loaded under EP 4 through DCP's
     resharding: every slot of every rank holds its global expert's weights and moments."""
@@ -58,6 +62,7 @@ def test_a_checkpoint_saved_at_ep_2_loads_at_ep_4_with_every_slot_restored():
     assert record["verdict"] == "pass", record
 
 
+@runs_its_parallelizer
 @pytest.mark.faults
 def test_two_experts_swapped_at_ep_2_are_named_after_the_ep_4_load(monkeypatch):
     _swap_in_saved(monkeypatch, "ModelState", EXPERTS)
@@ -66,6 +71,7 @@ def test_two_experts_swapped_at_ep_2_are_named_after_the_ep_4_load(monkeypatch):
     assert "rank 0, local slot 0 holds global expert 1's weights; it should hold expert 0" in record["diagnosis"]
 
 
+@runs_its_parallelizer
 @pytest.mark.faults
 def test_an_adam_moment_from_another_expert_is_named(monkeypatch):
     _swap_in_saved(monkeypatch, "OptimizerState", EXPERTS + ".exp_avg")
@@ -74,6 +80,7 @@ def test_an_adam_moment_from_another_expert_is_named(monkeypatch):
     assert "rank 0, local slot 0 holds global expert 1's exp_avg; it should hold expert 0" in record["diagnosis"]
 
 
+@runs_its_parallelizer
 @pytest.mark.faults
 def test_a_routing_bias_left_rank_local_is_named_before_any_save(monkeypatch):
     """apply_fsdp without #3348's step (the routing bias distributed over the data-parallel mesh): each rank updates
@@ -96,6 +103,7 @@ def test_a_routing_bias_left_rank_local_is_named_before_any_save(monkeypatch):
     assert "step 1: every rank holds the same routing bias" in record["diagnosis"], record["diagnosis"]
 
 
+@runs_its_parallelizer
 @pytest.mark.faults
 def test_a_checkpoint_without_the_step_counts_fails_the_continuation(monkeypatch):
     from nemo_automodel.components.checkpoint import stateful_wrappers
@@ -120,6 +128,7 @@ def test_a_checkpoint_without_the_step_counts_fails_the_continuation(monkeypatch
     assert "(resumed)" in record["diagnosis"] and "vs the run that never stopped" in record["diagnosis"], record
 
 
+@runs_its_parallelizer
 @pytest.mark.faults
 def test_a_step_wrong_alike_before_and_after_the_resume_fails_against_one_process(monkeypatch):
     """The trainer's EP scaling skipped (scale_grads_and_clip_grad_norm without the MoE mesh): the resumed run still
@@ -136,6 +145,7 @@ def test_a_step_wrong_alike_before_and_after_the_resume_fails_against_one_proces
     assert "vs one process" in record["diagnosis"] and "summed instead of averaged" in record["diagnosis"], record
 
 
+@runs_its_parallelizer
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("seed", [1, 2, 3, 4, 5])
@@ -151,6 +161,7 @@ def test_no_false_alarms_over_seeds(world_size, seed):
     ("resume", 2, "repro_faults:automodel-experts-swapped-in-checkpoint", 1,
      "permutation: rank 0, local slot 0 holds global expert 1's weights"),
 ])
+@runs_its_parallelizer
 def test_the_standalone_script_reproduces_the_row(tmp_path, variant, world_size, fault, code, words):
     """`--repro`'s script for a resume row (torch, transformers and nemo_automodel only), run from elsewhere with
     moebench off its path: the pinned release restores every slot (exit 0), also from EP 2 to EP 4; a checkpoint with
@@ -176,3 +187,22 @@ def test_the_standalone_script_reproduces_the_row(tmp_path, variant, world_size,
                                                               done.stderr[-2000:])
     assert _survivors(tag) == []
 
+
+
+def test_the_rows_skip_with_the_reason_where_automodels_fsdp_patch_cannot_run(monkeypatch):
+    """On a torch without FSDPParam.to_accumulated_grad_if_needed (2.15), Automodel 0.7.0's parallelizer raises in
+    its own FSDP patch: the rows that parallelize through it (resume, a recipe's) skip saying so, never fail; the
+    rows that call apply_ep alone still run. Where the method exists, nothing skips for it."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    from moebench.libraries.automodel import ADAPTER, compat
+
+    rows = ADAPTER.rows(2, resume=True)
+    resume = next(r for r in rows if r.kind == "resume")
+    parity = next(r for r in rows if r.kind == "parity")
+    monkeypatch.delattr(FSDPParam, "to_accumulated_grad_if_needed", raising=False)
+    why = ADAPTER.skip_reason(resume)
+    assert why and "does not run on torch" in why and compat.FSDP_PATCHED in why, why
+    assert ADAPTER.skip_reason(parity) is None or compat.FSDP_PATCHED not in ADAPTER.skip_reason(parity)
+    monkeypatch.setattr(FSDPParam, "to_accumulated_grad_if_needed", lambda self: None, raising=False)
+    assert ADAPTER.skip_reason(resume) is None

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers.automodel_torch import runs_its_parallelizer
 from typer.testing import CliRunner
 
 from moebench.cli.app import app
@@ -233,6 +234,7 @@ def _assert_all_pass(results):
         assert not [c.name for c in result.comparisons if c.vacuous], result.row.key()
 
 
+@runs_its_parallelizer
 @pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_the_published_recipe_passes_on_the_pinned_release(world_size):
@@ -251,6 +253,7 @@ def test_the_published_recipe_passes_on_the_pinned_release(world_size):
 DEEPSEEK_RECIPE = FIXTURES / "automodel" / "deepseekv3_pretrain.yaml"
 
 
+@runs_its_parallelizer
 @pytest.mark.multirank
 def test_the_published_deepseek_v3_pretraining_recipe_passes_with_its_bias_update_and_accumulation():
     """Automodel's DeepSeek-V3 pretraining recipe (EP 16, PP 8, dp_size 16, 4 micro-batches a step) with DeepSeek-V3's
@@ -270,6 +273,7 @@ def test_the_published_deepseek_v3_pretraining_recipe_passes_with_its_bias_updat
     assert any("bias" in n for n in names), sorted(names)
 
 
+@runs_its_parallelizer
 @pytest.mark.multirank
 def test_an_expert_no_token_reaches_fails_the_premise(monkeypatch):
     """Every token routed to the first top-k experts (on both sides: the gate itself is patched): the row would
@@ -362,6 +366,7 @@ def _named(monkeypatch, patch, hf, name, words):
     return result
 
 
+@runs_its_parallelizer
 @pytest.mark.multirank
 @pytest.mark.parametrize("patch,hf,name,words", FAULTS, ids=[f[2] for f in FAULTS])
 def test_a_broken_automodel_fails_the_recipes_row_named(monkeypatch, patch, hf, name, words):
@@ -372,6 +377,7 @@ def test_a_broken_automodel_fails_the_recipes_row_named(monkeypatch, patch, hf, 
         assert "output right" in summarise(result.comparisons, 2)["sentence"]
 
 
+@runs_its_parallelizer
 @pytest.mark.multirank
 def test_a_bias_updated_from_each_ranks_own_load_fails_the_bias_comparison():
     """DeepSeek-V3's routing bias: with apply_fsdp leaving it a plain tensor, a rank updates it from its own load:
@@ -440,6 +446,7 @@ def _nothing_written() -> bool:
     return not os.path.exists(os.path.join(os.environ["MOEBENCH_RESULTS"], "parity"))
 
 
+@runs_its_parallelizer
 @pytest.mark.multirank
 def test_the_command_a_user_runs(tmp_path):
     from moebench.libraries.records import WIDTH

@@ -1,7 +1,7 @@
 """Real older DeepSpeed releases, first on PYTHONPATH (slow tier): each is installed once with
 `pip install --target` into a cache folder (never into the venv) and the CLI runs the DeepSpeed rows and
 checks with it. A failing row on a real release is a finding: the test asserts the verdict and the
-diagnosis the tool gives there (docs/libraries.md lists the findings and their upstream issues).
+diagnosis the tool gives there (docs/libraries/deepspeed.md lists the findings and their upstream issues).
 """
 
 from __future__ import annotations

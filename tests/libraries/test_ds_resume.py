@@ -149,7 +149,7 @@ W4_VERDICTS = {
     **{f"deepspeed/resume+universal/zero1/ep={ep}/w4/resume": "refused" for ep in ("4to1", "4to2", "4")},  # #5716
 }
 """Every resume row's verdict at world size 4 on the pinned DeepSpeed (0.19.8), as measured and documented in
-docs/libraries.md; a failing row is a finding there, with its upstream issue."""
+docs/libraries/deepspeed.md; a failing row is a finding there, with its upstream issue."""
 EXACT_ROWS = [key for key, verdict in W4_VERDICTS.items() if verdict == "pass"]
 """The rows that restore exactly: none may fail at any seed."""
 

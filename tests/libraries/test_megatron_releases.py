@@ -1,5 +1,5 @@
 """Other megatron-core releases, side-installed (pip's --target, never into the venv) and first on PYTHONPATH of a CLI
-run (slow tier): each release's verdicts at W = 2 as measured here (docs/libraries.md, "Megatron-core releases").
+run (slow tier): each release's verdicts at W = 2 as measured here (docs/libraries/megatron.md, "Releases and torch").
 
 0.16.1 (pinned) is the newest wheel for Python 3.11 (tests/libraries/test_megatron.py); 0.12.3-0.16.0 have cp311
 wheels too. 0.17-0.19 declare Requires-Python >= 3.12; their wheel's code runs on 3.11 all the same: pip installs the

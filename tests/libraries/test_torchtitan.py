@@ -133,10 +133,10 @@ def test_a_tp_router_gradient_left_partial_is_named(monkeypatch):
 
 
 SPMD_TYPES_TP = "the spmd_types backend ignores local_map's in_grad_placements"
-"""torchtitan 0.3.0's finding (docs/libraries.md): `Module._spmd_apply_local_map` hands spmd_types' local_map the
-in / out types only, never `LocalMapConfig.in_grad_placements` (which `_apply_local_map`, the DTensor backends',
-passes: pytorch/torchtitan#4054's fix), so with tp > 1 the routed experts' input gradient, and the router's below
-it, stay one TP rank's share."""
+"""torchtitan 0.3.0's finding (docs/libraries/torchtitan.md): `Module._spmd_apply_local_map` hands spmd_types'
+local_map the in / out types only, never `LocalMapConfig.in_grad_placements` (which `_apply_local_map`, the DTensor
+backends', passes: pytorch/torchtitan#4054's fix), so with tp > 1 the routed experts' input gradient, and the
+router's below it, stay one TP rank's share."""
 
 
 def _spmd_types_tp(row) -> bool:

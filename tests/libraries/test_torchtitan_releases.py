@@ -1,9 +1,9 @@
 """Older torchtitan releases, side-installed with what their MoE path imports (pip's --target, never into the venv)
-and first on PYTHONPATH of a CLI run (slow tier): each release's verdicts as measured here (docs/libraries.md,
-"torchtitan releases"). 0.2.x has `torchtitan.models.moe` and its EP step (`ExpertParallel`); its TP plans live in
-apply_moe_ep_tp, whose module's imports need torchdata, tensorboard and datasets (torchtitan 0.2 declares all three):
-without them its TP rows skip naming what is missing (measured where they run), with them side-installed they run
-through apply_moe_ep_tp."""
+and first on PYTHONPATH of a CLI run (slow tier): each release's verdicts as measured here
+(docs/libraries/torchtitan.md, "Releases and torch"). 0.2.x has `torchtitan.models.moe` and its EP step
+(`ExpertParallel`); its TP plans live in apply_moe_ep_tp, whose module's imports need torchdata, tensorboard and
+datasets (torchtitan 0.2 declares all three): without them its TP rows skip naming what is missing (measured where
+they run), with them side-installed they run through apply_moe_ep_tp."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 Each release is side-installed once (`pip install --target`, never into the venv) with what it needs that the
 venv's copies do not satisfy (5.16-5.17 need huggingface-hub < 2 and its httpx). A failing row on a real release
-is a finding: the test asserts the verdict and the diagnosis the tool gives (docs/libraries.md, "transformers
-releases", has the upstream issues). The adapter's preload must import only what each release has: before that,
+is a finding: the test asserts the verdict and the diagnosis the tool gives (docs/libraries/transformers.md,
+"Findings", has the upstream issues). The adapter's preload must import only what each release has: before that,
 5.17.0 died in the parent with a ModuleNotFoundError traceback and wrote no JSON.
 """
 

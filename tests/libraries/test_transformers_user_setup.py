@@ -285,7 +285,7 @@ def expected(key: str) -> str:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_the_whole_user_matrix_of_every_published_config(tmp_path, world_size):
     """Every row of every published config (and the GPT-OSS config written here) as a user runs them, no vacuous
-    comparison; times in docs/libraries.md."""
+    comparison; times in docs/libraries/transformers.md."""
     for path in (QWEN3, DEEPSEEK, MIXTRAL, Path(_edited(tmp_path, GPT_OSS, "gpt_oss"))):
         summary = _cli(tmp_path, "--hf-config", str(path), "-n", str(world_size))
         verdicts = {r["check"]: r["diagnosis_name"] if r["verdict"] == "fail" else r["verdict"]

@@ -17,6 +17,7 @@ fp32 masters, --ds-config reader): AutoEP is DeepSpeed's engine, and its rows ar
 from __future__ import annotations
 
 from moebench.libraries.autoep import compat
+from moebench.libraries.autoep.releases import COMPATIBILITY
 from moebench.libraries.autoep.rows import KIND, NAME, PRECISIONS, matrix, row_of, user_matrix
 from moebench.libraries.autoep.shape import EXPERTS, FAMILIES
 from moebench.libraries.spec import RESUME, Adapter, Row, install_hint
@@ -36,6 +37,7 @@ modelling code): imported once in the parent, the forked ranks inherit it (0.5 s
 
 class AutoEPAdapter(Adapter):
     name = NAME
+    compatibility = COMPATIBILITY
     import_name = "deepspeed"
     dist_name = "deepspeed"
     extra = "autoep"

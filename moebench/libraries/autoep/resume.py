@@ -114,7 +114,7 @@ def resume_rows(world: int, tf: str | None) -> list[Row]:
     autoep_size through the universal checkpoint (DeepSpeed's documented way) and through a regular load (which
     its docs say needs the same autoep_size), and AutoEP switched off at the load. At W = 4 (ep 4 and 2) the
     regular and universal ZeRO 2 loads to ep 1 are left out (ZeRO 1 shows both; W = 2 runs them), which keeps the
-    rows within the issue's 60 s there (docs/libraries.md times them)."""
+    rows within the issue's 60 s there (docs/libraries/autoep.md times them)."""
     if world < 2:
         return []
     ep = world

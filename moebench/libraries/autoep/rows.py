@@ -2,7 +2,7 @@
 
 The full cartesian product (4 families x ZeRO 0/1/2 x every autoep_size x {plain, clip, accumulation 2} x top-1/2,
 and the precisions, layouts and optimizers) is ~150 rows at W = 4; a row is ~1 s there, so the matrix is a covering
-subset (docs/libraries.md times it), chosen by what each axis exercises:
+subset (docs/libraries/autoep.md times it), chosen by what each axis exercises:
 - the engine grid: ZeRO stage x autoep_size x {plain, clip, accumulation} is where DeepSpeed reduces, partitions
   and clips the expert gradients, so it runs whole, on one family (Mixtral, top-2);
 - the routing grid: family x top-1/top-2 changes what AutoEP routes and how it maps the family's router and

@@ -10,12 +10,13 @@ without a clip that binds. Transformer Engine's grouped experts and the DeepEP d
 skip rows with the reason. Release differences: api.py.
 
 `--recipe FILE` / `--hf-config FILE` replace the matrix by the rows of the user's own setup: user_setup.py reads
-the recipe through Automodel's own loader and the config.json through transformers; user_rows.py builds and runs
-them (Automodel's own meshes and parallelizer, its trainer's step, accumulation, clip and bias update).
+the recipe through Automodel's own loader (recipe.py) and the config.json through transformers, and fits them to the
+rows (fit.py); user_rows.py defines the rows, user_run.py runs them through user_step.py (Automodel's own meshes
+and parallelizer, its trainer's step, accumulation, clip and bias update).
 
 The package's files: __init__.py the adapter (rows, what cannot run here, the releases); api.py what a row builds
 and the release differences; parity.py the rows' comparisons and known-wrong references; resume.py the resume rows;
-user_setup.py and user_rows.py the user's own setup.
+user_setup.py, recipe.py, fit.py, user_rows.py, user_step.py and user_run.py the user's own setup.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import importlib.util
 import os
 
 from moebench.libraries import pins
-from moebench.libraries.automodel import api
+from moebench.libraries.automodel import api, compat
+from moebench.libraries.automodel.releases import COMPATIBILITY
 from moebench.libraries.spec import BF16, PARITY, RESUME, Adapter, Row, Settings
 
 NAME = "automodel"
@@ -36,10 +38,6 @@ SHARED_EXPERTS = ("block", "deepseek_v3")
 """The rows whose MoE block has a shared expert."""
 CLIP = {"block": 0.02, "deepseek_v3": 0.2, "qwen3_moe": 0.2}
 """max_grad_norm of the clip rows: below each model's step-1 gradient norm at every seed (the row asserts it binds)."""
-RELEASES = ("0.7.0 (pinned) and 0.6.0 pass; 0.5.0 and 0.4.0 fail, router-detached (its EP all-gather of the routing "
-            "weights is not differentiable); 0.3.0 fails, gather-backward-unreduced; 0.4.0 and older run the shared "
-            "experts on a CUDA stream (those rows skip); 0.2.0 and older do not build under transformers 5")
-"""What --list says about the releases, as measured here (tests/libraries/test_automodel_releases.py)."""
 PRELOAD = (
     "nemo_automodel.components.moe.layers", "nemo_automodel.components.moe.parallelizer",
     "nemo_automodel.components.moe.config", "nemo_automodel.components.training.utils",
@@ -84,6 +82,7 @@ class Automodel(Adapter):
     """NeMo Automodel's MoE under its own apply_ep (see the module docstring)."""
 
     name = NAME
+    compatibility = COMPATIBILITY
     import_name = "nemo_automodel"
     dist_name = "nemo-automodel"
     extra = "automodel"
@@ -91,7 +90,7 @@ class Automodel(Adapter):
                "gradients or weights differ from one process")
     preload = PRELOAD
     runners = {PARITY: "moebench.libraries.automodel.parity:run", RESUME: "moebench.libraries.automodel.resume:run",
-               USER: "moebench.libraries.automodel.user_rows:run", BF16: "moebench.libraries.automodel.user_rows:run"}
+               USER: "moebench.libraries.automodel.user_run:run", BF16: "moebench.libraries.automodel.user_run:run"}
     timeout_s = 180.0
 
     def install_hint(self) -> str:
@@ -110,8 +109,6 @@ class Automodel(Adapter):
             return f"nemo-automodel {api.am_version()} has no components.moe (its MoE layers): {self.install_hint()}"
         return None
 
-    def releases(self) -> str:
-        return RELEASES
 
     def rows(self, world_size: int, *, resume: bool = False, user_config=None) -> list[Row]:
         """The matrix at `world_size`; with `user_config` (--recipe / --hf-config: user_setup.py) the rows of the
@@ -176,6 +173,10 @@ def skip_reason(row: Row) -> str | None:
     """One line why this row cannot run here, or None."""
     import torch
 
+    if row.kind in (USER, BF16, RESUME):  # these rows parallelize through Automodel's own parallelizer
+        breaks = compat.fsdp_patch_breaks()
+        if breaks:
+            return breaks
     if row.kind in (USER, BF16):
         return _user_skip_reason(row)
 

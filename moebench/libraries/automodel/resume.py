@@ -63,7 +63,7 @@ def _train(side, step: int, seed: int, rank: int, world: int, grads: dict | None
     whole gradient after the trainer's scaling, before the optimizer's step (a collective)."""
     import torch.nn.functional as F
 
-    from moebench.libraries.automodel.user_rows import aux_scale
+    from moebench.libraries.automodel.user_step import aux_scale
 
     model, optimizer, mesh = side
     inputs, targets = _batch(seed, step, world)
@@ -93,7 +93,7 @@ def _one_process_step(row: Row, state: dict, seed: int, step: int, world: int) -
     import torch
     import torch.nn.functional as F
 
-    from moebench.libraries.automodel.user_rows import aux_scale
+    from moebench.libraries.automodel.user_step import aux_scale
 
     model, _ = api.build(row.model, row.backend, seed)
     with torch.no_grad():

@@ -21,6 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from moebench.libraries.deepspeed.releases import COMPATIBILITY
 from moebench.libraries.spec import RESUME, Adapter, Row
 
 MIN_WORLD_SIZE = 2
@@ -111,6 +112,7 @@ def _run_layer(ctx, row: Row, opts) -> list:
 
 class DeepSpeed(Adapter):
     name = "deepspeed"
+    compatibility = COMPATIBILITY
     import_name = "deepspeed"
     extra = "deepspeed"
     dist_name = "deepspeed"

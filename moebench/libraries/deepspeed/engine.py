@@ -147,7 +147,7 @@ def matrix(world_size: int) -> list[EngineSettings]:
     run where routing is exchanged between ranks (ep_size = W) at each stage; so do the static scale (the same
     optimizer as dynamic scaling, another scale) and the overflow row (a skipped step). The engine features run at
     every ep_size, since expert data parallelism (ep_size < W) is where the engine's expert-gradient reduction
-    differs. At W = 4 that is 3 x 3 x 8 + 3 x 5 = 87 rows (timed in docs/libraries.md)."""
+    differs. At W = 4 that is 3 x 3 x 8 + 3 x 5 = 87 rows (timed in docs/libraries/deepspeed.md)."""
     out = []
     for stage in (0, 1, 2):
         for ep in ep_sizes(world_size):

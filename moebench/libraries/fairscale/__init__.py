@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from moebench.libraries.fairscale.releases import COMPATIBILITY
 from moebench.libraries.spec import PARITY, RESUME, Adapter, Row, Settings
 
 EXPERTS_PER_RANK = (1, 2)
@@ -50,6 +51,7 @@ def ep_mode(per_rank: int) -> str:
 
 class Fairscale(Adapter):
     name = "fairscale"
+    compatibility = COMPATIBILITY
     import_name = "fairscale"
     extra = "fairscale"
     dist_name = "fairscale"

@@ -20,15 +20,12 @@ import dataclasses
 import importlib.util
 
 from moebench.libraries.megatron import api
+from moebench.libraries.megatron.releases import COMPATIBILITY
 from moebench.libraries.spec import BF16, PARITY, Adapter, Row, Settings
 
 NAME = "megatron"
 TORCH_COMPILE = ("force_eager: Megatron's jit_fuser (torch.compile) functions run as plain torch in the ranks (the "
                  "same mathematics; compiling them costs seconds a rank a row)")
-RELEASES = ("0.16.1 (pinned) and 0.13.1-0.16.0 fail 3 rows: aux-loss-scale under TP with the per-token loss "
-            "(NVIDIA/Megatron-LM#5047), expert-dp-unreduced with ETP != TP and EP = 1 (#5916); 0.12.3 also raises "
-            "there and in its distributed optimizer; 0.19.2 (Python >= 3.12; its wheel's code side-installed) passes")
-"""What --list says about the releases, as measured here (tests/libraries/test_megatron_releases.py)."""
 PRELOAD = ("moebench.libraries.megatron.loaded",)
 """Imports megatron-core's modules once in the parent (~3 s), warnings silenced; the ranks fork from it."""
 
@@ -165,6 +162,7 @@ class Megatron(Adapter):
     """Megatron-core's MoE through its DDP, finalize_model_grads and optimizer (see the module docstring)."""
 
     name = NAME
+    compatibility = COMPATIBILITY
     import_name = "megatron.core"
     dist_name = "megatron-core"
     extra = "megatron"
@@ -184,8 +182,6 @@ class Megatron(Adapter):
             return f"megatron-core {api.mc_version()} has no transformer/moe (its MoE layer)"
         return None
 
-    def releases(self) -> str:
-        return RELEASES
 
     def rows(self, world_size: int, *, resume: bool = False, user_config=None) -> list[Row]:
         return [make_row(model, backend, mode, world_size, variant)

@@ -16,7 +16,7 @@ megatron-core is changed: its own code computes every number a row compares.
   stand-in does what it does on a GPU: the copy to the host, and numpy where asked.
 - megatron-core 0.16.1's router calls `te_general_gemm` when Transformer Engine is absent (moe_utils.py defines it
   only when TE imports): `NameError`. The stand-in defines it as None, which selects the router's own torch
-  branch (`torch.mm`), the one written for that case (a finding in itself, see docs/libraries.md).
+  branch (`torch.mm`), the one written for that case (a finding in itself, see docs/libraries/megatron.md).
 - `GroupedMLP` (0.16.1) runs its experts through the `grouped_gemm` CUDA extension (`gg.ops.gmm`): the stand-in is a
   Python grouped matmul (each expert's rows times its weight, concatenated), the same mathematics, with autograd.
 - triton: 0.17+ import it at module level (transformer/moe/ops/paged_stash.py) for kernels no CPU row launches.

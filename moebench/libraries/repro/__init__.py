@@ -5,6 +5,10 @@ and the library, starts its own gloo ranks on CPU, reproduces the row against th
 process, prints the first diverging quantity and exits 1 when the bug shows, 0 when it does not, 2 on a setup
 error. What a user attaches to an upstream bug report.
 
+Each script `fill` makes opens as an upstream report would (write_scripts adds it after the first line): the
+environment the row ran in (the library and its version, torch, Python, the backend, the ranks), what was expected,
+what moebench measured (the row's diagnosis), and how to run it.
+
 After the run, each FAILING row whose adapter writes one becomes `DIR/<row key, / -> __>.py` (written
 atomically; rank 0 alone). The summary gains "repro": [{"check", "path"}] and "no_repro": [check names]
 (and "repro_error" when DIR could not be written: the run then exits 1).
@@ -24,6 +28,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+HEAD = "# Reproduces moebench verify-parity row"
+"""The first line of every script `fill` makes begins so (then the row's key and moebench's version)."""
 SETTINGS_MARKER = "# @SETTINGS@"
 """The one template line replaced by `SETTINGS = json.loads('<the row's settings>')`."""
 INSERTS = {"@HARNESS@": ("moebench.libraries.repro", "templates/harness.py"),
@@ -91,7 +97,7 @@ def fill(name: str, settings: dict[str, Any], *, key: str, package: str = "moebe
             out.append(line)
     from moebench.version import __version__
 
-    head = f"# Reproduces moebench verify-parity row {key.replace(chr(10), ' ')} (moebench {__version__}).\n"
+    head = f"{HEAD} {key.replace(chr(10), ' ')} (moebench {__version__}).\n"
     return head + "".join(out)
 
 
@@ -125,6 +131,9 @@ def write_scripts(directory: str, summary: dict[str, Any], rows: dict[str, Any],
         if source is None:
             without.append(name)
             continue
+        row = next((r for r in summary.get("rows", ()) if r.get("check") == name), {})
+        package = getattr(adapter, "dist_name", "") or getattr(adapter, "import_name", "")
+        source = with_report(source, row, summary, script_name(name), package)
         path = Path(directory) / script_name(name)
         if _is_writer():
             try:
@@ -136,6 +145,46 @@ def write_scripts(directory: str, summary: dict[str, Any], rows: dict[str, Any],
         written.append({"check": name, "path": str(path)})
     return {**summary, "repro": written, "no_repro": without,
             **({"repro_error": "; ".join(_grouped(broken))} if broken else {})}
+
+
+REPORT_WIDTH = 100
+"""The report header's lines wrap at this many characters."""
+
+
+def report_header(row: dict[str, Any], summary: dict[str, Any], filename: str, package: str = "") -> list[str]:
+    """The comment block a script opens with, shaped as an upstream report: the environment the row ran in (`package`:
+    the library's distribution, when its name is not moebench's), what was expected and what moebench measured (the
+    row's diagnosis), and how to run it."""
+    import textwrap
+
+    def block(label: str, text: str) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), REPORT_WIDTH - 2, initial_indent=f"{label}: ",
+                             subsequent_indent="    ", break_on_hyphens=False) or [f"{label}:"]
+
+    name = package or row.get("library") or "the library"
+    library = f"{name} {row.get('version') or '(version unknown)'}"
+    if row.get("library") and row["library"] != name:
+        library += f" (moebench's {row['library']} rows)"
+    ranks = f"{row['world_size']} ranks" if row.get("world_size") else "its ranks"
+    environment = (f"{library}, torch {summary.get('torch', '?')}, Python {summary.get('python', '?')}; CPU, "
+                   f"{summary.get('comm_backend') or 'gloo'}, {ranks}.")
+    expected = ("the library's run agrees with the row's reference: the same model, data and optimizer in one "
+                "process (for a resume row, the run that never stopped), every checked quantity within the row's "
+                "tolerance.")
+    actual = row.get("diagnosis") or "the row failed (no diagnosis recorded)."
+    run = f"python {filename}: exit 1 when the bug shows, 0 when it does not, 2 on a setup error."
+    body = [*block("Environment", environment), *block("Expected", expected),
+            *block("Actual (measured by moebench)", actual), *block("Run", run)]
+    return ["#", *(f"# {line}" for line in body), "#"]
+
+
+def with_report(source: str, row: dict[str, Any], summary: dict[str, Any], filename: str, package: str = "") -> str:
+    """A script made by `fill` (its first line names the row) with the report header after that line; any other
+    source (an adapter's own) as it is."""
+    first, sep, rest = source.partition("\n")
+    if not (first.startswith(HEAD) and sep):
+        return source
+    return first + sep + "".join(f"{line}\n" for line in report_header(row, summary, filename, package)) + rest
 
 
 def _grouped(broken: list[tuple[str, str]]) -> list[str]:

@@ -22,6 +22,7 @@ import importlib.util
 
 from moebench.libraries import pins
 from moebench.libraries.spec import BF16, RESUME, Adapter, Row, Settings
+from moebench.libraries.torchtitan.releases import COMPATIBILITY
 
 NAME = "torchtitan"
 BACKENDS = ("spmd_types", "partial_dtensor", "full_dtensor")
@@ -30,11 +31,6 @@ V02_BACKEND = "dtensor"
 """0.2's rows: no spmd backend to choose; its ExpertParallel shards the experts as DTensors."""
 SKIPPED_BACKENDS: dict[str, str] = {}
 """torchtitan 0.3's spmd backends whose rows cannot run here, and why (none since spmd_types is bridged)."""
-RELEASES = ("0.3.0 (pinned) passes but its default spmd_types backend with tp > 1 (grad-left-partial); 0.2.2 "
-            "passes its EP rows (torchtitan.models.moe) and, where torchdata, tensorboard and datasets import (its "
-            "apply_moe_ep_tp's module needs them), its TP rows; 0.2.0 its EP row; 0.1.0 has no MoE outside "
-            "experiments/llama4")
-"""What --list says about the releases, as measured here (tests/libraries/test_torchtitan_releases.py)."""
 PRELOAD = ("moebench.libraries.torchtitan.imports", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
            "torch._dynamo", "torch._inductor.compile_fx")
 """The parent imports torch's pieces; torchtitan itself is imported in each rank (imports.py, ~1 s)."""
@@ -119,6 +115,7 @@ class Torchtitan(Adapter):
     """torchtitan's MoE under its own parallelize (see the module docstring)."""
 
     name = NAME
+    compatibility = COMPATIBILITY
     import_name = "torchtitan"
     dist_name = "torchtitan"
     extra = "torchtitan"
@@ -149,8 +146,6 @@ class Torchtitan(Adapter):
             return f"torchtitan {api.tt_version()} has no MoE module outside its experiments (models/moe: 0.2+)"
         return None
 
-    def releases(self) -> str:
-        return RELEASES
 
     def rows(self, world_size: int, *, resume: bool = False, user_config=None) -> list[Row]:
         from moebench.libraries.torchtitan import api

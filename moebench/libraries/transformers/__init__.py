@@ -23,7 +23,7 @@ Expert-parallel modes (`Row.ep_mode`), as of transformers 5.23:
   ranks share one batch, each runs its own experts on all of it, an all-reduce sums the outputs.
 Release differences: api.py.
 5.23.0 (pinned in constraints.txt) is tested at world 2 and 4; 5.22.0 and 5.17.0 were run once at world 2
-(docs/libraries.md, "transformers releases", has what they gave).
+(docs/libraries/transformers.md, "Releases and torch", has what they gave).
 
 The package's files, each one role (docs/adding-a-library.md): __init__.py the adapter (rows, what cannot run
 here); api.py the release differences; build.py what a row builds; parity.py the float32 rows and their
@@ -45,6 +45,7 @@ from moebench.libraries.transformers.build import (
     MODELS,
     NUM_EXPERTS,
 )
+from moebench.libraries.transformers.releases import COMPATIBILITY
 
 NAME = "transformers"
 EXTRA = "transformers"
@@ -67,6 +68,7 @@ class TransformersAdapter(Adapter):
     """Hugging Face transformers' MoE blocks under its own expert parallelism (see the module docstring)."""
 
     name = NAME
+    compatibility = COMPATIBILITY
     import_name = "transformers"
     extra = EXTRA
     preload = PRELOAD

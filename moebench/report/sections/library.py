@@ -18,8 +18,8 @@ def blocks(runs: list[collect.Run], out: Path) -> list[Block]:
     section: list[Block] = [Heading("Library conformance (verify-parity --library)"), Para(
         f"{len(runs)} run(s), newest first: {listed}. Each row is one library version x model x expert backend x "
         "EP mode x world size, compared with the same block on one process with identical weights "
-        "(docs/libraries.md). They do not judge the chapter's parity claim, which comes from the latest complete "
-        "whole-suite run.")]
+        "(docs/libraries/README.md). They do not judge the chapter's parity claim, which comes from the latest "
+        "complete whole-suite run.")]
     for index, run in enumerate(runs):
         section += _run_blocks(run, out / ("library.png" if index == 0 else f"library-{run.run_id}.png"),
                                heading=len(runs) > 1)
