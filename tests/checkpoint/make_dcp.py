@@ -13,7 +13,6 @@ Experts are seeded by global index, so every folder holds the same experts, in i
 from __future__ import annotations
 
 import os
-import sys
 
 EXPERTS, D_MODEL, D_HIDDEN = 4, 8, 16
 
@@ -77,9 +76,6 @@ def _rank(rank: int, out: str, store: str) -> None:
 
 
 if __name__ == "__main__":
-    import torch.multiprocessing as mp
+    import two_ranks
 
-    target = sys.argv[1]
-    os.makedirs(target, exist_ok=True)
-    mp.spawn(_rank, args=(target, os.path.join(target, ".store")), nprocs=2)
-    os.remove(os.path.join(target, ".store")) if os.path.exists(os.path.join(target, ".store")) else None
+    two_ranks.main(_rank)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 EXPERTS = 4
 TAG = "step2"
@@ -91,10 +90,6 @@ def _rank(rank: int, out: str, store: str) -> None:
 
 
 if __name__ == "__main__":
-    import torch.multiprocessing as mp
+    import two_ranks
 
-    target = sys.argv[1]
-    os.makedirs(target, exist_ok=True)
-    mp.spawn(_rank, args=(target, os.path.join(target, ".store")), nprocs=2)
-    if os.path.exists(os.path.join(target, ".store")):
-        os.remove(os.path.join(target, ".store"))
+    two_ranks.main(_rank)

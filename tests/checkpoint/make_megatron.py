@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import os
-import sys
 
 
 def _rank(rank: int, out: str, store: str) -> None:
@@ -34,10 +33,6 @@ def _rank(rank: int, out: str, store: str) -> None:
 
 
 if __name__ == "__main__":
-    import torch.multiprocessing as mp
+    import two_ranks
 
-    target = sys.argv[1]
-    os.makedirs(target, exist_ok=True)
-    mp.spawn(_rank, args=(target, os.path.join(target, ".store")), nprocs=2)
-    if os.path.exists(os.path.join(target, ".store")):
-        os.remove(os.path.join(target, ".store"))
+    two_ranks.main(_rank)
