@@ -20,8 +20,10 @@ def fsdp_patch_breaks() -> str | None:
     import importlib.util
     from pathlib import Path
 
-    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
-
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    except ImportError:  # a torch without FSDP2's module: Automodel's parallelizer fails there on its own terms
+        return None
     if hasattr(FSDPParam, FSDP_PATCHED.split(".")[1]):
         return None
     spec = importlib.util.find_spec("nemo_automodel")
