@@ -2,10 +2,12 @@
 
 - per-expert keys: `<layer>.experts.3.w1.weight` (Mixtral, Qwen3-MoE), `<layer>.experts.deepspeed_experts.3.w1.weight`
   (DeepSpeed), `<layer>.experts.local_experts.3.linear_fc1.weight` (Megatron's SequentialMLP),
-  `<layer>.experts.linear_fc1.weight3` (Megatron's grouped GEMM);
-- a stacked expert dimension: `<layer>.experts.w1` or `<layer>.experts.gate_up_proj`, experts along dim 0;
+  `<layer>.experts.linear_fc1.weight3` (Megatron's grouped GEMM), `<layer>.experts.w1.3` (DeepSpeed AutoEP's
+  per-expert files: a stacked parameter's name, then the global expert);
+- a stacked expert dimension: `<layer>.experts.w1`, `<layer>.experts.gate_up_proj` or torchtitan 0.3's
+  `<layer>.routed_experts.inner_experts.w1_EFD`, experts along dim 0;
 - the router: a 2-D `gate` / `router` weight under the layer (its output size is the expert count), and a routing
-  bias (`expert_bias`, `e_score_correction_bias`) whose length is too.
+  bias (`expert_bias`, torchtitan 0.3's `expert_bias_E`, `e_score_correction_bias`) whose length is too.
 """
 
 from __future__ import annotations
@@ -18,9 +20,13 @@ from moebench.checkpoint_audit.stream import BUFFER, PARAM, Stored
 PER_EXPERT = re.compile(r"^(?:(?P<layer>.+?)\.)?experts\.(?:(?:deepspeed_experts|local_experts)\.)?"
                         r"(?P<index>\d+)\.(?P<rest>.+)$")
 GROUPED = re.compile(r"^(?:(?P<layer>.+?)\.)?experts\.(?P<rest>linear_fc[12]\.(?:weight|bias))(?P<index>\d+)$")
-STACKED = re.compile(r"^(?:(?P<layer>.+?)\.)?experts\.(?P<rest>(?:[A-Za-z_][^.]*)(?:\.[A-Za-z_][^.]*)*)$")
+INDEX_LAST = re.compile(r"^(?:(?P<layer>.+?)\.)?experts\.(?P<rest>[A-Za-z_]\w*)\.(?P<index>\d+)$")
+"""DeepSpeed AutoEP's layer_<l>_expert_<e> files: each grouped parameter's slice for one global expert, named
+`<stacked name>.<expert>` (deepspeed/module_inject/auto_ep_layer.py, checkpoint_format per_expert_files)."""
+STACKED = re.compile(r"^(?:(?P<layer>.+?)\.)?(?:routed_experts\.inner_experts|experts)\."
+                     r"(?P<rest>(?:[A-Za-z_][^.]*)(?:\.[A-Za-z_][^.]*)*)$")
 ROUTER = re.compile(r"(?:^|\.)(?:gate|router|wg)(?:\.[A-Za-z_]\w*)*\.weight$")
-ROUTING_BIAS = re.compile(r"(?:^|\.)(?:expert_bias|e_score_correction_bias)$")
+ROUTING_BIAS = re.compile(r"(?:^|\.)(?:expert_bias(?:_E)?|e_score_correction_bias)$")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -38,12 +44,17 @@ class Layer:
         return {i for by_index in self.per_expert.values() for i in by_index}
 
 
+def per_expert(name: str) -> re.Match | None:
+    """The match of a per-expert tensor's name (groups layer, index, rest), whichever framework's naming."""
+    return PER_EXPERT.match(name) or GROUPED.match(name) or INDEX_LAST.match(name)
+
+
 def layers_of(tensors: list[Stored]) -> dict[str, Layer]:
     """The MoE layers among `tensors` (parameters and buffers; optimizer state is the audit's), in stored order."""
     layers: dict[str, Layer] = {}
     model = [t for t in tensors if t.role in (PARAM, BUFFER)]
     for t in model:
-        m = PER_EXPERT.match(t.name) or GROUPED.match(t.name)
+        m = per_expert(t.name)
         if m:
             layer = layers.setdefault(m.group("layer") or "", Layer(name=m.group("layer") or ""))
             layer.per_expert.setdefault(m.group("rest"), {}).setdefault(int(m.group("index")), []).append(t)
@@ -52,7 +63,7 @@ def layers_of(tensors: list[Stored]) -> dict[str, Layer]:
         if m and len(t.shape) >= 2:
             layers.setdefault(m.group("layer") or "", Layer(name=m.group("layer") or "")).stacked.append(t)
     for t in model:
-        if PER_EXPERT.match(t.name) or GROUPED.match(t.name) or STACKED.match(t.name):
+        if per_expert(t.name) or STACKED.match(t.name):
             continue
         layer = _owner(t.name, layers)
         if layer is None:
@@ -68,7 +79,7 @@ def locate(names) -> tuple[str, list[int]]:
     """(the MoE layer, the global experts) that lost tensors named `names` belong to ("" and [] when none)."""
     layers, experts = [], set()
     for name in names:
-        m = PER_EXPERT.match(name) or GROUPED.match(name)
+        m = per_expert(name)
         if m:
             layers.append(m.group("layer") or "")
             experts.add(int(m.group("index")))

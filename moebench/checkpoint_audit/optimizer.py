@@ -1,14 +1,15 @@
-"""Optimizer state in a checkpoint: every parameter with state has both moments (of its shape) and a step; steps
-agree; and no single step object is shared by every parameter (where the format keeps object identity)."""
+"""Optimizer state in a checkpoint: every parameter with state has both moments (of its shape) and a step; every
+expert and router of an MoE layer has state where others do; steps agree; and no single step object is shared by
+every parameter (where the format keeps object identity)."""
 
 from __future__ import annotations
 
 from moebench.checkpoint_audit import stream as s
-from moebench.checkpoint_audit.experts import GROUPED, PER_EXPERT, STACKED, Layer
+from moebench.checkpoint_audit.experts import STACKED, Layer, per_expert
 
 
 def _expert_of(name: str) -> tuple[str, list[int]]:
-    m = PER_EXPERT.match(name) or GROUPED.match(name)
+    m = per_expert(name)
     if m:
         return m.group("layer") or "", [int(m.group("index"))]
     m = STACKED.match(name)
@@ -49,6 +50,13 @@ def check(tensors: list[s.Stored], layers: dict[str, Layer]) -> tuple[list[s.Pro
                 problems.append(s.Problem(name=s.MISSING_STATE, tensor=t.name, layer=name, experts=experts,
                                           sentence=f"{t.name}: no optimizer state, while {len(state)} other "
                                                    "parameter(s) have it"))
+        for t in layer.routers:  # never stepped (no gradient reached it), or its state not saved
+            if t.name not in experts_with_state and not any(t.name.endswith("." + of) for of in experts_with_state):
+                problems.append(s.Problem(name=s.MISSING_STATE, tensor=t.name, layer=layer.name, experts=[],
+                                          sentence=f"{t.name}: the router has no optimizer state, while "
+                                                   f"{len(state)} other parameter(s) have it (its gradient never "
+                                                   "reached the optimizer, or its state was not saved; a strict "
+                                                   "resume refuses it)"))
     steps, problems_steps = _steps(state)
     return problems + problems_steps, {"present": True, "parameters": len(state), "steps": steps}
 

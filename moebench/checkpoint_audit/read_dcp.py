@@ -29,13 +29,23 @@ from moebench.errors import UserError
 METADATA = ".metadata"
 OPTIMIZER_KEY = re.compile(r"(?:^|\.)state\.(?P<of>.+)\.(?P<q>exp_avg_sq|exp_avg|step)$")
 """An optimizer state's key, flattened (`optim.state.<param>.exp_avg`, torch's get_state_dict and torchtitan)."""
-BUFFER_KEY = re.compile(r"(?:^|\.)(expert_bias|e_score_correction_bias|tokens_per_expert)$")
+BUFFER_KEY = re.compile(r"(?:^|\.)(expert_bias|expert_bias_E|e_score_correction_bias|tokens_per_expert)$")
 """Persistent buffers MoE routers keep (a routing bias, a load counter)."""
 MODEL_PREFIXES = ("model.", "module.", "app.model.")
+PARTS = ("model", "optim")
+"""NeMo Automodel's Checkpointer writes a step folder holding two DCP checkpoints: model/ (save_model) and optim/
+(save_optimizer, its keys `optim.state.<model key>.exp_avg`); the step folder is read as one checkpoint."""
 
 
 def detect(folder: Path) -> bool:
-    return (folder / METADATA).is_file()
+    return (folder / METADATA).is_file() or bool(parts(folder))
+
+
+def parts(folder: Path) -> list[str]:
+    """The DCP sub-folders of an Automodel step folder (model/ first), or [] where `folder` is none."""
+    if (folder / METADATA).is_file() or not (folder / PARTS[0] / METADATA).is_file():
+        return []
+    return [name for name in PARTS if (folder / name / METADATA).is_file()]
 
 
 def role_of(name: str) -> tuple[str, str | None]:
@@ -62,6 +72,21 @@ def _loader(folder: Path, name: str, shape, dtype):
 
 
 def read(folder: Path) -> Checkpoint:
+    """The folder's DCP checkpoint; an Automodel step folder's model/ and optim/ as one (their files named with
+    their sub-folder)."""
+    found = parts(folder)
+    if not found:
+        return _read(folder)
+    read_parts = [_read(folder / name, f"{name}/") for name in found]
+    model = read_parts[0]
+    saved = {**model.saved, "ranks": max(c.saved.get("ranks", 0) for c in read_parts),
+             "parts": " + ".join(f"{name}/" for name in found)}
+    return Checkpoint(format=model.format, path=str(folder), tensors=[t for c in read_parts for t in c.tensors],
+                      problems=[p for c in read_parts for p in c.problems], saved=saved, loads=model.loads)
+
+
+def _read(folder: Path, label: str = "") -> Checkpoint:
+    """One DCP folder; `label` goes before its files' names (an Automodel step folder's sub-folder)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -93,12 +118,12 @@ def read(folder: Path) -> Checkpoint:
         experts = experts or sorted(rows.get(file, ()))
         if sizes[file] is None:
             problems.append(Problem(name=MISSING_FILE, tensor=names[0], layer=layer, experts=experts,
-                                    sentence=f"{file} is named by {METADATA} and is not there: {len(names)} "
-                                             f"tensor(s) lost ({_few(names)})"))
+                                    sentence=f"{label}{file} is named by {label}{METADATA} and is not there: "
+                                             f"{len(names)} tensor(s) lost ({_few(names)})"))
         else:
             problems.append(Problem(name=TRUNCATED, tensor=names[0], layer=layer, experts=experts,
-                                    sentence=f"{file} is {sizes[file]:,} bytes, shorter than {METADATA} says: "
-                                             f"{len(names)} tensor(s) past its end ({_few(names)})"))
+                                    sentence=f"{label}{file} is {sizes[file]:,} bytes, shorter than {label}"
+                                             f"{METADATA} says: {len(names)} tensor(s) past its end ({_few(names)})"))
     damaged = {n for names in lost.values() for n in names}
     tensors = []
     for name, meta in metadata.state_dict_metadata.items():
@@ -111,7 +136,7 @@ def read(folder: Path) -> Checkpoint:
         tensors.append(Stored(name=name, shape=shape, dtype=str(dtype).removeprefix("torch."),
                               chunks=tuple(Chunk(tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes))
                                            for c in meta.chunks),
-                              load=_loader(folder, name, shape, dtype), file=files[0] if files else "",
+                              load=_loader(folder, name, shape, dtype), file=label + files[0] if files else "",
                               role=role, of=_param_name(of, metadata.state_dict_metadata) if of else None))
     megatron = _megatron(folder)
     writers = {fqn: {_writer(str(i.relative_path)) for i in infos} for fqn, infos in by_fqn.items()}

@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 
 from moebench.checkpoint_audit import stream as s
+from moebench.checkpoint_audit.experts import per_expert
 
 MODEL_STATES = re.compile(r"^mp_rank_(?P<tp>\d+)_model_states\.pt$")
 EXPERT_FILE = re.compile(r"^layer_(?P<layer>\d+)_expert_(?P<expert>\d+)_mp_rank_(?P<tp>\d+)_model_states\.pt$")
@@ -101,10 +102,10 @@ def read_regular(folder: Path) -> s.Checkpoint:
         expert = int(m.group("expert"))
         content = _readable(path, problems, layer=int(m.group("layer")), expert=expert)
         for name, t in (content or {}).items():
-            held = GLOBAL_EXPERT.search(name)
-            if held and int(held.group(1)) != expert:
-                problems.append(s.Problem(name=s.PERMUTATION, tensor=name, experts=[expert, int(held.group(1))],
-                                          sentence=f"{path.name} holds {name} (expert {held.group(1)}'s), "
+            held = per_expert(name)  # deepspeed_experts.<e>.w1.weight (native MoE), experts.w1.<e> (AutoEP)
+            if held and int(held.group("index")) != expert:
+                problems.append(s.Problem(name=s.PERMUTATION, tensor=name, experts=[expert, int(held.group("index"))],
+                                          sentence=f"{path.name} holds {name} (expert {held.group('index')}'s), "
                                                    f"where expert {expert}'s belongs"))
             tensors.append(_stored(name, t, path, folder, _pick(path, name)))
     tp_files = sum(1 for p in folder.iterdir() if MODEL_STATES.match(p.name))

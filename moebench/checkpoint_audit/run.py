@@ -98,6 +98,11 @@ def audit(checkpoint: s.Checkpoint, given: dict[str, int], progress=None) -> tup
         records.append({"layer": layer.name, "experts": want, "counted_by": sources,
                         "stored": "stacked" if layer.stacked else "per-expert",
                         "tensors": len(layer.stacked) + sum(len(b) for b in layer.per_expert.values())})
+    if not layers and counts:  # a count stated, and no tensor of the checkpoint read as an expert's
+        said = "; ".join(f"{n} by {where}" for where, n in counts.items())
+        problems.append(s.Problem(name=s.EXPERT_COUNT, experts=list(range(min(counts.values())))[:64],
+                                  sentence=f"experts counted {said}; no tensor in the checkpoint is recognised "
+                                           f"as an expert's (0 MoE layers read)"))
     state_problems, state = optimizer.check(checkpoint.tensors, layers)
     return problems + state_problems, {"layers": records, "optimizer": state}, prints
 

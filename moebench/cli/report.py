@@ -55,8 +55,10 @@ def report(
     check_root(results_dir, "report")  # the folder it will write (and read): a run folder is no results folder
     outcome = build_report(list(runs or []), root=results_dir, since=since)
     if as_json:
+        from moebench.report.sections.checkpoint import records
+
         typer.echo(json.dumps({"report_path": str(outcome.path), "counts": outcome.counts,
-                               "verdicts": outcome.rows,
+                               "verdicts": outcome.rows, "checkpoints": records(outcome.checkpoints),
                                "not_judged": {kind: f"{run.path}: {run.damage}"
                                               for kind, run in outcome.damaged.items()}}, default=str))
         return
@@ -73,6 +75,10 @@ def report(
         typer.echo(f"{'library':<10} {run.run_id} ({run.status}): {len(lib_rows)} rows, "
                    + ", ".join(f"{sum(r.get('verdict') == v for r in lib_rows)} {v}" for v in ("pass", "fail", "skip"))
                    + "".join(f", {n} refused" for n in [sum(r.get("verdict") == "refused" for r in lib_rows)] if n))
+    from moebench.report.sections.checkpoint import console_lines
+
+    for line in console_lines(outcome.checkpoints):  # their own section: audits of checkpoints, no claim
+        typer.echo(line)
     from moebench.console import print_fitting
 
     print_fitting(console, verdict_table(outcome.rows), verdict_table(outcome.rows, stacked=True))

@@ -70,6 +70,12 @@ def checks(torch_version: str | None, requirement: Callable[[str], str | None] =
             hints.append(f"torch {MEASURED_TORCH}, the one moebench pins: make install TORCH_SPEC=torch=="
                          f"{MEASURED_TORCH}" if release.torch != MEASURED_TORCH else
                          f"install the release moebench pins ({pinned}): {adapter.install_hint()}")
+        if release and release.torch_floor and torch_version and not torch_meets(f">={release.torch_floor}",
+                                                                                 torch_version):
+            problems.append(f"{release.floor_for} needs torch >= {release.torch_floor} (those rows are refused "
+                            f"on torch {torch_version})")
+            hints.append(f"a torch >= {release.torch_floor}: make install TORCH_SPEC=torch==X.Y.Z (docs: 'Which "
+                         "torch')")
         if needs and torch_version and not torch_meets(needs, torch_version):
             problems.append(f"it declares torch {needs}, torch here is {torch_version}")
             hints.append(f"a torch that meets {needs} (make install TORCH_SPEC=torch==X.Y.Z)")

@@ -6,6 +6,8 @@ mathematics on one process. It subclasses `Adapter` and declares, as data and pl
 - `rows(world_size, *, resume=False, user_config=None) -> list[Row]`: the matrix at one world size;
 - `runners`: row kind -> the function every rank runs for a row of that kind, `fn(ctx, row, opts)` returning
   comparisons (moebench.parity.compare), each with its `group` set where it is made;
+- a row's settings may declare the pieces of the framework it emulates (`Settings.emulated()`, `Emulated`): a
+  failure one of them could cause is named `emulated-piece`, a question;
 - optional, with defaults: `skip_reason(row)` (asked in the parent, before any rank starts),
   `repro_script(row, seed)`, `preload` (modules imported before the ranks fork; only those the installed
   release has are imported), `timeout_s`, `version()`, `unavailable()`, `install_hint()`, `releases()`,
@@ -56,6 +58,27 @@ class Settings:
 
     def fields(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def emulated(self) -> tuple["Emulated", ...]:
+        """The pieces of the framework this row runs in moebench's code instead of the framework's (override it where
+        a row emulates one): recorded in the row's record, and a failure one of them could produce is named
+        `emulated-piece` (a question), never the library's bug (moebench.parity.final.on_emulated)."""
+        return ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Emulated:
+    """A piece of the framework a row emulates (an FSDP reduction the framework's trainer would run, say): what it
+    stands for, the check groups its result feeds (moebench.parity.diagnosis.GROUPS) and the diagnoses it could
+    produce there if it were not what the framework does (a reduction: a partial sum, a scale, rank-local, noise;
+    never a gradient the framework's backward never produced)."""
+
+    piece: str
+    groups: tuple[str, ...]
+    mechanisms: tuple[str, ...]
+
+    def record(self) -> dict[str, Any]:
+        return {"piece": self.piece, "groups": list(self.groups), "mechanisms": list(self.mechanisms)}
 
 
 NO_SETTINGS = Settings()
@@ -137,6 +160,10 @@ class Release:
     measured_by: str = ""
     """The test that asserts it (a path under tests/; the slow tier for side-installed releases); "" when it was
     measured once by hand."""
+    torch_floor: str = ""
+    """The torch some of its rows need ("2.14"), where an older one makes them refuse: env-check warns below it."""
+    floor_for: str = ""
+    """What needs torch_floor, in a few words ("its default spmd_types backend: its trainer's fully_shard")."""
 
     def __post_init__(self) -> None:
         if self.status not in RELEASE_STATUSES:
@@ -203,7 +230,8 @@ class Row:
         """The row's JSON record fields: its labels, then its settings' fields."""
         return {"library": self.library, "version": version, "model": self.model, "backend": self.backend,
                 "ep_mode": self.ep_mode, "world_size": self.world_size, "features": tuple(self.features),
-                **self.settings.fields(), **({"note": self.note} if self.note else {})}
+                **self.settings.fields(), **({"note": self.note} if self.note else {}),
+                **({"emulated": [e.record() for e in self.settings.emulated()]} if self.settings.emulated() else {})}
 
 
 def install_hint(extra: str) -> str:

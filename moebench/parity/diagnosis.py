@@ -96,6 +96,10 @@ SPLIT_RESTORE = "split-restore"
 RESTORE_UNEXPLAINED = "restore-unexplained"
 REFUSED = "refused"
 """The library refused what the row asked (a checkpoint load): its message."""
+EMULATED_PIECE = "emulated-piece"
+"""A question, never the library's bug: the failure lies where a piece the row runs in moebench's code instead of
+the framework's (its FSDP's reduction, say) feeds the failing group, by a mechanism that piece could produce
+(spec.Emulated). The details keep what it would otherwise be named (`was`)."""
 RESTORE_NAMES = (NOT_RESTORED, PERMUTATION, SPLIT_RESTORE, RESTORE_UNEXPLAINED)
 
 # ---- Megatron-core's gradient finalisation and optimizer (libraries/megatron)
@@ -110,6 +114,12 @@ drift apart."""
 NORM_MISSING_EXPERTS = "norm-missing-experts"
 """The gradient norm (the clip's) leaves out experts some ranks hold (those on tensor-parallel ranks other than 0
 counted as TP duplicates), so clipping binds less than it should."""
+
+REDUCTION_MECHANISMS = (GRAD_LEFT_PARTIAL, UNIFORM_SCALE, RANK_LOCAL, PARTIAL, REDUCED_GRAD_WRONG, EXPERT_DP_UNREDUCED,
+                        BF16_NOISE, FP16_NOISE, UNEXPLAINED)
+"""What a gradient reduction done wrong (missing, over another group, by a wrong factor) reads as: the diagnoses an
+emulated reduction (spec.Emulated) could produce. A gradient the backward never made (router-detached), a raise or a
+NaN it cannot."""
 
 # ---- parameter groups: what a check-level diagnosis counts right and wrong ("experts wrong (3/36)")
 OUTPUT = "output"

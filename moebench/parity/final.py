@@ -8,6 +8,7 @@ from typing import Any
 from moebench.parity.compare import Comparison
 from moebench.parity.diagnosis import (
     BF16_NOISE,
+    EMULATED_PIECE,
     FP16_NOISE,
     NON_FINITE,
     NONDETERMINISTIC,
@@ -31,6 +32,21 @@ def never_noise(diagnosis: dict | None, failed: list[Comparison]) -> dict | None
         return diagnosis
     return make(NON_FINITE, f"NaN or Inf on rank {bad.rank}: {bad.name}" + (f" ({bad.note})" if bad.note else "")
                 + f"; never {diagnosis['name']}", was=diagnosis["name"], rank=bad.rank, comparison=bad.name)
+
+
+def on_emulated(diagnosis: dict | None, failed: list[Comparison], emulated: list[dict] | None) -> dict | None:
+    """A failure a piece the row emulates could have produced is a question, never the library's bug: the first
+    piece (spec.Emulated, in the row's labels) whose groups hold a failed comparison and whose mechanisms hold the
+    diagnosis names it, keeping the diagnosis it would otherwise carry (`was`)."""
+    if diagnosis is None or not emulated:
+        return diagnosis
+    for piece in emulated:
+        touched = next((c for c in failed if c.group in piece["groups"]), None)
+        if touched is not None and diagnosis["name"] in piece["mechanisms"]:
+            return make(EMULATED_PIECE, f"a question, not the library's bug: {diagnosis['name']} on rank "
+                        f"{touched.rank}'s {touched.name}, which {piece['piece']} feeds, a piece this row runs in "
+                        f"moebench's code ({diagnosis['sentence']})", piece=piece["piece"], was=diagnosis)
+    return diagnosis
 
 
 RERUN_NAMES = (UNEXPLAINED, NON_FINITE, PARTIAL)

@@ -29,7 +29,7 @@ from moebench.errors import Interrupted, UserError
 from moebench.parity.compare import TOLERANCE_MODES, Comparison
 from moebench.parity.diagnose import summarise
 from moebench.parity.diagnosis import REFUSED, make
-from moebench.parity.final import RERUN_NAMES, never_noise, nondeterminism
+from moebench.parity.final import RERUN_NAMES, never_noise, nondeterminism, on_emulated
 from moebench.parity.raised import AdapterProtocolError, failure_diagnosis, not_comparisons
 from moebench.parity.registry import Check, CheckOptions, Refused, SkipCheck, all_checks, load_all, parse_impls, select
 from moebench.preload import import_present
@@ -212,8 +212,8 @@ def _audit(check: Check, result, world_size: int) -> CheckRecord:
         unasserted_outside=unasserted_outside,
         comparisons=[c.to_dict() for c in comps],
     )
-    record.diagnosis = never_noise(summarise(comps, world_size, first=min(failed, key=lambda c: order[id(c)],
-                                                                          default=None)), failed)
+    record.diagnosis = on_emulated(never_noise(summarise(comps, world_size, first=min(
+        failed, key=lambda c: order[id(c)], default=None)), failed), failed, dict(check.labels).get("emulated"))
     if not asserted:
         record.reason = "the check asserted nothing"
     elif failed:

@@ -15,7 +15,7 @@ from moebench import published, results, signals
 from moebench.report import collect
 from moebench.report.claims import DIFFERS, NOT_RUN, REPRODUCED
 from moebench.report.render import Block, Heading, Para, Table, html_document, markdown
-from moebench.report.sections import bench, env, gpu, library, parity, variants
+from moebench.report.sections import bench, checkpoint, env, gpu, library, parity, variants
 from moebench.report.verdict_rows import is_chapter_run, parity_row, variant_rows, verdict_table
 
 
@@ -33,6 +33,10 @@ class ReportResult:
     libraries: list[collect.Run] = dataclasses.field(default_factory=list)
     """The `verify-parity --library` runs shown in their own section, newest first (never the parity verdict's
     run): every one since --since, else the latest of each thing verified (collect.library_runs)."""
+
+    checkpoints: list[collect.Run] = dataclasses.field(default_factory=list)
+    """The `moebench checkpoint` audits shown in their own section, newest first: the newest of each folder audited
+    (since --since), or the ones given as RUN folders (collect.checkpoint_runs)."""
 
     @property
     def library(self) -> collect.Run | None:
@@ -64,6 +68,8 @@ def build_report(paths: list[str], *, root: str | None = None, since: str | None
     library_runs = ([r for r in chosen["parity"] if collect.is_library_run(r)] if paths
                     else collect.library_runs(root_path, since_time))
     chosen["parity"] = [r for r in chosen["parity"] if not collect.is_library_run(r)]
+    given_audits = chosen.pop(collect.CHECKPOINT_KIND)
+    audits = given_audits if paths else collect.checkpoint_runs(root_path, since_time)
     sweep, train = bench.latest(root_path, "rows"), bench.latest(root_path, "train")
     gpu_run = gpu.latest_run(root_path, since_time)
     # the runs read besides the chosen ones, listed with them (a damaged one as `damaged: <file>: <reason>`)
@@ -72,7 +78,8 @@ def build_report(paths: list[str], *, root: str | None = None, since: str | None
     others += [(gpu.KIND, gpu_run)] if gpu_run is not None else []
     run_dir = results.RunDir.create("report", root=root)
     run_dir.start({"inputs": [str(r.path) for kind in collect.KINDS for r in chosen[kind]]
-                   + [str(r.path) for r in library_runs] + [str(r.path) for _, r in others]})
+                   + [str(r.path) for r in library_runs] + [str(r.path) for r in audits]
+                   + [str(r.path) for _, r in others]})
     out = run_dir.path
     try:
         primary = {kind: _primary(kind, chosen[kind], prefer.get(kind)) for kind in collect.KINDS}
@@ -81,7 +88,7 @@ def build_report(paths: list[str], *, root: str | None = None, since: str | None
         rows.append(parity_row(primary["parity"], _missing("parity", paths, since_time, root_path)))
         counts = {v: sum(r["verdict"] == v for r in rows) for v in (REPRODUCED, DIFFERS, NOT_RUN)}
         listed = ([(kind, r) for kind in collect.KINDS for r in chosen[kind]] + [("library", r) for r in library_runs]
-                  + others)
+                  + [(checkpoint.KIND, r) for r in audits] + others)
 
         blocks: list[Block] = [
             Heading("moebench report: did chapter 6 reproduce?", 1),
@@ -107,6 +114,7 @@ def build_report(paths: list[str], *, root: str | None = None, since: str | None
         blocks += parity.blocks(primary["parity"], out)
         signals.check()
         blocks += library.blocks(library_runs, out)
+        blocks += checkpoint.blocks(audits)
         signals.check()
         blocks += variants.comparison_blocks(chosen, out)
         signals.check()
@@ -114,15 +122,19 @@ def build_report(paths: list[str], *, root: str | None = None, since: str | None
         signals.check()
         blocks += gpu.blocks(gpu_run, root_path)
         damaged_libraries = [r for r in library_runs if r.damage]
+        damaged_audits = [r for r in audits if r.damage]
         damaged = {kind: run for kind, run in [*primary.items(), ("bench", sweep or train), (gpu.KIND, gpu_run),
                                                *(("library" if i == 0 else f"library {r.run_id}", r)
-                                                 for i, r in enumerate(damaged_libraries))]
+                                                 for i, r in enumerate(damaged_libraries)),
+                                               *((checkpoint.KIND if i == 0 else f"{checkpoint.KIND} {r.run_id}", r)
+                                                 for i, r in enumerate(damaged_audits))]
                    if run is not None and run.damage}
 
         results.write_text_atomic(out / "REPORT.md", markdown(blocks))
         results.write_text_atomic(out / "report.html", html_document(blocks, title="moebench report"))
         run_dir.finish(results.STATUS_OK, {"verdicts": rows, "counts": counts, "report": "REPORT.md",
                                            "html": "report.html",
+                                           **({"checkpoints": checkpoint.records(audits)} if audits else {}),
                                            **({"not_judged": {kind: f"{run.path}: {run.damage}" for kind, run
                                                               in damaged.items()}} if damaged else {}),
                                            "figures": sorted(p.name for p in out.glob("*.png"))})
@@ -134,7 +146,7 @@ def build_report(paths: list[str], *, root: str | None = None, since: str | None
             raise Interrupted(out) from exc  # the CLI names the folder it marked
         raise
     return ReportResult(path=out, rows=rows, counts=counts, runs=chosen, primary=primary, damaged=damaged,
-                        libraries=library_runs)
+                        libraries=library_runs, checkpoints=audits)
 
 
 def _primary(kind: str, runs: list[collect.Run], prefer: Callable[[collect.Run], bool] | None):

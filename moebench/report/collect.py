@@ -17,6 +17,10 @@ VARIANT_KINDS = ("fastmoe", "deepspeed")
 """The training variants a report has a section for (moebench.variants.VARIANTS, without the import)."""
 KINDS = ("env", *VARIANT_KINDS, "parity")
 """Every kind of run a report reads, in report order."""
+CHECKPOINT_KIND = "checkpoint"
+"""`moebench checkpoint` audits (moebench.checkpoint_audit.run.KIND, not imported): their own section, no claim."""
+GIVEN_KINDS = (*KINDS, CHECKPOINT_KIND)
+"""The kinds of run folder a report takes as RUN."""
 
 IGNORED_FOR_CHAPTER = chapter.IGNORED_FOR_CHAPTER
 """Kept for callers of collect (moebench.report.chapter holds it)."""
@@ -169,6 +173,26 @@ def library_runs(root: Path, since: datetime.datetime | None = None) -> list[Run
     return latest_each
 
 
+def checkpoint_identity(run: Run) -> str:
+    """The folder a checkpoint audit read (its checkpoint.json's `path`); for a damaged run, what of that file
+    parses, else the run's own folder (an audit whose path cannot be read is one of its own)."""
+    document = run.documents.get("checkpoint.json") if not run.damage else _parsed(run.path / "checkpoint.json")
+    path = (document or {}).get("path")
+    return path if isinstance(path, str) and path else f"run {run.path}"
+
+
+def checkpoint_runs(root: Path, since: datetime.datetime | None = None) -> list[Run]:
+    """The `moebench checkpoint` audits a report shows, newest first: the newest audit of each folder audited
+    (started since `since`, when given)."""
+    seen: set[str] = set()
+    newest_each = []
+    for run in every_run(root, CHECKPOINT_KIND, since):
+        if checkpoint_identity(run) not in seen:
+            seen.add(checkpoint_identity(run))
+            newest_each.append(run)
+    return newest_each
+
+
 def _started(run: Run) -> datetime.datetime:
     """summary.json's start, else the run id's (a damaged run's summary is not trusted)."""
     try:
@@ -196,7 +220,7 @@ def select(paths: list[str], root: Path, since: datetime.datetime | None = None,
            only: dict[str, Callable[[Run], bool]] | None = None) -> dict[str, list[Run]]:
     """Runs per kind: the given folders (in the order given), or the latest of each kind (for a kind
     in `prefer`, the latest that predicate accepts, if any; for a kind in `only`, never one it rejects)."""
-    chosen: dict[str, list[Run]] = {kind: [] for kind in KINDS}
+    chosen: dict[str, list[Run]] = {kind: [] for kind in GIVEN_KINDS}
     if not paths:
         for kind in KINDS:
             run = latest(root, kind, since, (prefer or {}).get(kind), (only or {}).get(kind))
@@ -213,7 +237,7 @@ def select(paths: list[str], root: Path, since: datetime.datetime | None = None,
                             "folders, or nothing for the latest run of each kind", flag="RUN")
         run = load_run(path)  # a damaged run is reported as such (its claims not judged)
         if run.kind not in chosen:
-            raise UserError(f"{raw} is a {run.kind!r} run; a report reads {', '.join(KINDS)} runs", flag="RUN")
+            raise UserError(f"{raw} is a {run.kind!r} run; a report reads {', '.join(GIVEN_KINDS)} runs", flag="RUN")
         if any(r.path.resolve() == path.resolve() for r in chosen[run.kind]):
             raise UserError(f"{raw} is given twice", flag="RUN")
         chosen[run.kind].append(run)

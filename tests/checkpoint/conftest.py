@@ -1,6 +1,6 @@
 """Real checkpoints, made once per session by the frameworks themselves (each maker is a script run in a child:
-two gloo ranks for DCP and DeepSpeed, save_pretrained for Hugging Face). Read-only: a test that breaks one copies
-it first (`broken_copy`)."""
+two gloo ranks for DCP and DeepSpeed, W = 2 or 4 for the frameworks' own checkpointers, save_pretrained for Hugging
+Face). Read-only: a test that breaks one copies it first (`broken_copy`)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,12 @@ MAKE_TIMEOUT_S = 600
 """A maker imports torch (and DeepSpeed or transformers) in two ranks: a minute on a busy 2-core machine."""
 
 
-def _make(script: str, folder: Path) -> Path:
+def _make(script: str, folder: Path, world: int | None = None) -> Path:
     done = folder / ".done"
     if not done.exists():
-        result = subprocess.run([sys.executable, str(HERE / script), str(folder)], capture_output=True, text=True,
-                                timeout=MAKE_TIMEOUT_S)
+        size = [] if world is None else [str(world)]
+        result = subprocess.run([sys.executable, str(HERE / script), str(folder), *size], capture_output=True,
+                                text=True, timeout=MAKE_TIMEOUT_S)
         assert result.returncode == 0, f"{script} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
         done.write_text("")
     return folder
@@ -44,6 +45,19 @@ def ds_folders(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def megatron_folders(tmp_path_factory) -> Path:
     return _make("make_megatron.py", tmp_path_factory.mktemp("megatron"))
+
+
+@pytest.fixture(scope="session")
+def framework_folders(tmp_path_factory):
+    """framework_folders(name, W) -> the folder `make_<name>.py` filled at world size W (autoep, torchtitan,
+    automodel: each framework's own checkpointer), made once per session for each (name, W)."""
+    made: dict[tuple[str, int], Path] = {}
+
+    def folder(name: str, world: int) -> Path:
+        if (name, world) not in made:
+            made[name, world] = _make(f"make_{name}.py", tmp_path_factory.mktemp(f"{name}-w{world}"), world)
+        return made[name, world]
+    return folder
 
 
 @pytest.fixture

@@ -114,6 +114,24 @@ def test_dcp_optimizer_state_without_a_step(dcp_folders, broken_copy):
     assert "has no step" in problem["sentence"]
 
 
+def test_dcp_without_the_routers_optimizer_state(dcp_folders, broken_copy):
+    """NVIDIA-NeMo/Automodel#2088 as its 0.5.0 saves it (tests/checkpoint/test_automodel_release.py): the router's Adam
+    state absent, every other parameter's present."""
+    folder = broken_copy(dcp_folders / "sound")
+    with open(folder / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    router = [key for key in metadata.state_dict_metadata if key.startswith("optim.state.") and ".router." in key]
+    assert router, sorted(metadata.state_dict_metadata)
+    for key in router:
+        del metadata.state_dict_metadata[key]
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    code, doc = audit_json(folder)
+    assert code == 1
+    (problem,) = _named(doc, "missing-state")
+    assert problem["layer"] == "model.layers.0.moe" and "the router has no optimizer state" in problem["sentence"]
+
+
 def test_a_chunk_gap_and_a_chunk_overlap(dcp_folders, broken_copy):
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 

@@ -283,3 +283,100 @@ def test_gpt_oss_under_ep_is_right_on_the_last_release_with_the_sentinel_class(t
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "transformers 4.57.6," in done.stdout
     assert re.findall(r"^rank (\d): OK: the logits match the one-process model", done.stdout, re.M) == ["0", "1"]
+
+
+# --- DeepSpeed elastic ZeRO 1/2 load with use_data_before_expert_parallelism: another group's expert state ---
+
+ELASTIC_DBE = Finding("deepspeed-elastic-data-before-expert-permutation", (
+    "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer.get_ep_ranks",))
+
+SWAPPED = re.compile(r"^ZeRO (\d): rank (\d) holds the fp32 master, exp_avg, exp_avg_sq of experts \[([\d, ]+)\] "
+                     r"\(rank (\d)'s saved partition\) after the load, not of its experts \[([\d, ]+)\]", re.M)
+
+# ranks 1 and 2 (one in each expert-data-parallel group [0, 1], [2, 3]) swap their expert partitions at both stages;
+# ranks 0 and 3 get their own back (their slice of the wrong merge is their own partition)
+ELASTIC_DBE_FAULTS = {(z, "1", "4, 5", "2", "2, 3") for z in ("1", "2")} | \
+                     {(z, "2", "2, 3", "1", "4, 5") for z in ("1", "2")}
+
+
+def test_elastic_load_with_data_before_expert_swaps_two_ranks_expert_state(tmp_path):
+    """20-35 s: two ZeRO stages, two engines each, on 4 ranks."""
+    done = run(ELASTIC_DBE, tmp_path)
+    text = verdict(done)
+    assert done.returncode == 1, text
+    assert set(SWAPPED.findall(text)) == ELASTIC_DBE_FAULTS and len(text.splitlines()) == 5, text
+    assert "use_data_before_expert_parallelism (D + E)" in done.stdout
+
+
+def test_elastic_load_with_data_before_expert_with_the_pages_patch_restores_every_partition(tmp_path):
+    done = run(ELASTIC_DBE, tmp_path, patch=True)
+    assert done.returncode == 0, verdict(done)
+    assert verdict(done) == "OK: every rank's expert partition comes back after the elastic load"
+
+
+@pytest.mark.slow
+def test_elastic_load_in_the_default_layout_is_right_with_and_without_the_patch(tmp_path):
+    """The control: E + D, where get_ep_ranks' range is the expert-data-parallel group; the patch keeps it right."""
+    for patch in (False, True):
+        done = run(ELASTIC_DBE, tmp_path, "--default-layout", patch=patch)
+        assert done.returncode == 0 and "the default layout (E + D)" in done.stdout, verdict(done)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", ["0.16.9", "0.18.0"])
+def test_elastic_load_with_data_before_expert_on_older_releases(version, tmp_path):
+    """The same get_ep_ranks since the layout came (#4695, 0.12.4); 0.16.9 the oldest release measured (0.14.4 - 0.15.4
+    refuse the load under torch 2.13's weights_only default). The patch's getter is from 0.19.2: not run here."""
+    done = run(ELASTIC_DBE, tmp_path, release=deepspeed_release(version))
+    text = verdict(done)
+    assert done.returncode == 1 and set(SWAPPED.findall(text)) == ELASTIC_DBE_FAULTS, text
+    assert f"deepspeed {version}:" in done.stdout
+
+
+# --- DeepSpeed AutoEP with transformers >= 5.23: deepspeed.initialize raises on the output-capture registry ---
+
+REGISTRY = Finding("deepspeed-autoep-transformers-registry", (
+    "deepspeed.module_inject.auto_ep_presets.base:_restore_transformers_output_capture_registry",
+    "deepspeed.module_inject.auto_ep_presets.base:_install_instance_transformers_output_recorders",
+    "deepspeed.module_inject.auto_ep_presets.base:_retarget_transformers_output_recorders_for_modules"))
+"""In this order: each patched function is compiled in a copy of the module's globals, which then holds the ones
+patched before it (_install calls _restore, _retarget calls _install)."""
+
+REGISTRY_BUG = re.compile(r"^BUG: deepspeed\.initialize with AutoEP raises TypeError: _CanRecordRegistry\.get\(\) "
+                          r"takes 2 positional arguments but 3 were given \(deepspeed/module_inject/auto_ep_presets/"
+                          r"base\.py:(\d+), in _install_instance_transformers_output_recorders: ", re.M)
+REGISTRY_OK = "OK: AutoEP initializes, the router logits are recorded, the registry is restored"
+
+
+def test_autoep_initialize_raises_on_the_transformers_registry(tmp_path):
+    """10-15 s: one process, the installed DeepSpeed 0.19.8 and transformers 5.23.0."""
+    done = run(REGISTRY, tmp_path)
+    assert done.returncode == 1, verdict(done)
+    found = REGISTRY_BUG.search(done.stdout)
+    assert found and found.group(1) == "326", verdict(done)
+    assert "the registry is a _CanRecordRegistry" in done.stdout
+
+
+def test_autoep_with_the_pages_patch_initializes_and_restores_the_registry(tmp_path):
+    done = run(REGISTRY, tmp_path, patch=True)
+    assert done.returncode == 0, verdict(done)
+    assert verdict(done) == REGISTRY_OK
+
+
+@pytest.mark.slow
+def test_autoep_initializes_with_the_last_transformers_before_the_registry_class(tmp_path):
+    """5.22.2: the registry a plain dict keyed by the class name; AutoEP as shipped converts the model, and the
+    page's patch (dict's own methods) keeps it right."""
+    folder = transformers_release("5.22.2")
+    for patch in (False, True):
+        done = run(REGISTRY, tmp_path, release=folder, patch=patch)
+        assert done.returncode == 0 and verdict(done) == REGISTRY_OK, verdict(done)
+        assert "transformers 5.22.2:" in done.stdout and "the registry is a dict" in done.stdout
+
+
+@pytest.mark.slow
+def test_autoep_registry_type_error_on_the_first_autoep_release(tmp_path):
+    """0.19.2, AutoEP's first release: the same call (base.py:302)."""
+    done = run(REGISTRY, tmp_path, release=deepspeed_release("0.19.2"))
+    found = REGISTRY_BUG.search(done.stdout)
+    assert done.returncode == 1 and found and found.group(1) == "302", verdict(done)

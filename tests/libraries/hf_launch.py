@@ -27,6 +27,8 @@ class RowResult:
     skipped: str | None
     comparisons: list
     seconds: float
+    refused: str | None = None
+    """What the library refused (parity.registry.Refused raised in the ranks), or None."""
 
     @property
     def failed(self) -> list:
@@ -40,7 +42,8 @@ class RowResult:
         return {c.group or group_of(c.name) for c in self.failed}
 
     def describe(self) -> str:
-        lines = [f"{self.row.key()}: {len(self.failed)} of {len(self.comparisons)} comparisons failed"]
+        lines = [f"{self.row.key()}: {len(self.failed)} of {len(self.comparisons)} comparisons failed"
+                 + (f"; refused: {self.refused}" if self.refused else "")]
         lines += [f"  rank {c.rank}: {c.name}: {c.max_abs_diff} {c.note} {(c.diagnosis or {}).get('sentence', '')}"
                   for c in self.failed[:12]]
         return "\n".join(lines)

@@ -13,7 +13,7 @@ from libraries.hf_launch import ROW_DEADLINE_S, RowResult
 
 from moebench.distributed.launch import check, launch
 from moebench.libraries.spec import Adapter, Row
-from moebench.parity.registry import CheckOptions, SkipCheck
+from moebench.parity.registry import CheckOptions, Refused, SkipCheck
 
 
 def _rank(ctx, adapter: Adapter, rows: list[Row], opts: CheckOptions) -> list:
@@ -28,6 +28,8 @@ def _rank(ctx, adapter: Adapter, rows: list[Row], opts: CheckOptions) -> list:
             out.append(("ok", adapter.runner(row.kind)(ctx, row, opts), time.monotonic() - start))
         except SkipCheck as exc:
             out.append(("skip", str(exc), time.monotonic() - start))
+        except Refused as exc:  # the library refused what the row asks: the runner's "refused" verdict
+            out.append(("refused", str(exc), time.monotonic() - start))
     return out
 
 
@@ -44,6 +46,8 @@ def run_rows(adapter: Adapter, rows: list[Row], world_size: int, seed: int = 0) 
         seconds = max(r[2] for r in per_rank)
         if per_rank[0][0] == "skip":
             out.append(RowResult(row=row, skipped=per_rank[0][1], comparisons=[], seconds=seconds))
+        elif per_rank[0][0] == "refused":
+            out.append(RowResult(row=row, skipped=None, comparisons=[], seconds=seconds, refused=per_rank[0][1]))
         else:
             out.append(RowResult(row=row, skipped=None, comparisons=[c for r in per_rank for c in r[1]],
                                  seconds=seconds))

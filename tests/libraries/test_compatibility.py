@@ -116,6 +116,17 @@ def test_env_check_warns_when_the_framework_needs_another_torch(monkeypatch):
     assert ok.status == "ok"
 
 
+def test_env_check_warns_below_a_releases_torch_floor(monkeypatch):
+    """torchtitan 0.3.0's default backend needs torch >= 2.14 (its trainer's fully_shard): a warn with the fix below
+    it, ok from it on; the --list note says the same where the installed torch's FSDP lacks it."""
+    _fake(monkeypatch, "torchtitan", "0.3.0")
+    check = _by_id(frameworks.checks("2.13.0+cpu", requirement=lambda dist: ""))["frameworks.torchtitan"]
+    assert check.status == "warn" and "spmd_types backend" in check.found and "needs torch >= 2.14" in check.found
+    assert "TORCH_SPEC" in check.hint
+    ok = _by_id(frameworks.checks("2.15.0", requirement=lambda dist: ""))["frameworks.torchtitan"]
+    assert ok.status == "ok", ok.found
+
+
 def test_env_check_skips_a_framework_that_is_not_installed(monkeypatch):
     _fake(monkeypatch, "torchtitan", None)
     check = _by_id(frameworks.checks("2.13.0"))["frameworks.torchtitan"]

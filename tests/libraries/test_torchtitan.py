@@ -75,9 +75,12 @@ def test_the_triton_stand_in_raises_when_a_kernel_is_launched_and_leaves_nothing
 
 
 def _run(rows, world_size=2, seed=0):
+    """Each row in its own launch, as the --library runner runs it: torchtitan's trainer path builds one ParallelDims
+    per process, and a second one of the same mesh shape in a process (another backend's row) leaves FSDP a
+    parameter on the first one's mesh (api._DIMS)."""
     from libraries.rows_launch import run_rows
 
-    return run_rows(ADAPTER, rows, world_size, seed)
+    return [result for row in rows for result in run_rows(ADAPTER, [row], world_size, seed)]
 
 
 def _assert_all_pass(results):
@@ -132,28 +135,24 @@ def test_a_tp_router_gradient_left_partial_is_named(monkeypatch):
     assert "output right" in verdict["sentence"] and "experts right" in verdict["sentence"]
 
 
-SPMD_TYPES_TP = "the spmd_types backend ignores local_map's in_grad_placements"
-"""torchtitan 0.3.0's finding (docs/libraries/torchtitan.md): `Module._spmd_apply_local_map` hands spmd_types'
-local_map the in / out types only, never `LocalMapConfig.in_grad_placements` (which `_apply_local_map`, the DTensor
-backends', passes: pytorch/torchtitan#4054's fix), so with tp > 1 the routed experts' input gradient, and the
-router's below it, stay one TP rank's share."""
+def _spmd_types_refused() -> str | None:
+    """Why this torch's fully_shard refuses spmd_types' parameters (torch < 2.14), or None."""
+    from moebench.libraries.torchtitan import trainer
 
-
-def _spmd_types_tp(row) -> bool:
-    return row.backend == "spmd_types" and row.ep_mode in ("tp", "ep+tp")
+    return trainer.fsdp_refusal("spmd_types")
 
 
 def _assert_matrix(results) -> None:
-    """Every row passes but the default backend's with tp > 1, which read grad-left-partial (the finding)."""
+    """Every row passes through torchtitan's trainer path (its parallelize function, fully_shard included), but the
+    default backend's on a torch whose fully_shard refuses its plain parameters: refused, with FSDP's words."""
     for result in results:
         if result.skipped is not None:
             continue
-        if not _spmd_types_tp(result.row):
-            assert result.passed, result.describe()
+        if result.row.backend == "spmd_types" and _spmd_types_refused():
+            assert result.refused and "pytorch/pytorch#181519" in result.refused, result.describe()
             continue
-        verdict = _summary(result)
-        assert not result.passed and verdict["name"] == "grad-left-partial", (result.row.key(), verdict)
-        assert "output right" in verdict["sentence"] and "experts right" in verdict["sentence"], verdict
+        assert result.passed, result.describe()
+        assert "fully_shard" in result.row.settings.dense_grads and not result.row.settings.emulated()
 
 
 def _summary(result):
@@ -165,8 +164,9 @@ def _summary(result):
 @needs_torchtitan
 @pytest.mark.multirank
 def test_the_default_backend_runs_its_ep_rows_through_the_padded_exchange():
-    """spmd_types (torchtitan 0.3's default) at W = 2: EP passes within the noise model through its own token
-    exchange, padded for gloo (exchange.py); TP reads grad-left-partial (SPMD_TYPES_TP)."""
+    """spmd_types (torchtitan 0.3's default) at W = 2: EP and TP pass within the noise model through its trainer's
+    parallelize (fully_shard converting its plain parameters, torch >= 2.14) and its own token exchange, padded for
+    gloo (exchange.py); refused on a torch whose fully_shard cannot take them."""
     _assert_matrix(_run([_row(backend="spmd_types"), _row("sigmoid-grouped+shared", backend="spmd_types"),
                          _row(backend="spmd_types", layout="tp")]))
 
@@ -187,8 +187,8 @@ def test_whole_matrix_passes(world_size):
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("seed", [1, 2, 3, 4, 5])
 def test_no_false_alarms_over_seeds(world_size, seed):
-    _assert_all_pass(_run([r for r in ADAPTER.rows(world_size) if skip_reason(r) is None and not _spmd_types_tp(r)],
-                          world_size, seed))
+    _assert_all_pass(_run([r for r in ADAPTER.rows(world_size) if skip_reason(r) is None and not (
+        r.backend == "spmd_types" and _spmd_types_refused())], world_size, seed))
 
 
 def _padded_exchange(ctx):

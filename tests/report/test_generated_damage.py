@@ -1,11 +1,12 @@
 """Generated damage, value by value (issue 37): `moebench report` reads ANY results file without a traceback.
 
 Real runs of every kind a report reads (the session's quick runs: fastmoe, deepspeed, a parity suite, env-check;
-then a `verify-parity --library fairscale` run at world size 2, a tiny bench sweep and the recorded gpu-check
-run), and in each of their files, at every numeric leaf (and every null one: a `real_or_null` such as a
-comparison's noise-model `used`), each of: "nan", "inf", "-inf" (how moebench.results.to_jsonable writes a
-non-finite float), a non-numeric string, null; every key deleted; the file cut in half. One case is one change
-in one file of a copy of that run's kind folder (a run of each other kind would only redraw the same figures).
+then a `verify-parity --library fairscale` run at world size 2, a tiny bench sweep, the recorded gpu-check
+run and a `moebench checkpoint --against` audit), and in each of their files, at every numeric leaf (and every
+null one: a `real_or_null` such as a comparison's noise-model `used`), each of: "nan", "inf", "-inf" (how
+moebench.results.to_jsonable writes a non-finite float), a non-numeric string, null; every key deleted; the file
+cut in half. One case is one change in one file of a copy of that run's kind folder (a run of each other kind
+would only redraw the same figures).
 
 What each case must give, decided by the schema (moebench.results.read_run, the reader the report uses):
 - a change the schema accepts ("nan" where a `real` is declared, a field it leaves open) renders: the report is
@@ -76,6 +77,10 @@ def every_kind(quick_runs_source, tmp_path_factory) -> Path:
     from helpers.gpucheck import write_recorded_run
 
     write_recorded_run(root)  # gpu-check needs a CUDA GPU: its recorded files (tests/gpucheck/recorded/)
+    from helpers.checkpoints import audited, write_safetensors
+
+    ckpt = tmp_path_factory.mktemp("checkpoint")
+    audited(write_safetensors(ckpt / "sound"), root, against=write_safetensors(ckpt / "strided", order=[0, 2, 1, 3]))
     return root
 
 

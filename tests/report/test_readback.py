@@ -49,6 +49,9 @@ def healthy(tmp_path_factory) -> Path:
     from helpers.gpucheck import write_recorded_run
 
     write_recorded_run(root)  # gpu-check needs a CUDA GPU: its recorded files (tests/gpucheck/recorded/)
+    from helpers.checkpoints import audited, write_safetensors
+
+    audited(write_safetensors(tmp_path_factory.mktemp("checkpoint") / "sound"), root)  # a sound audit's files
     return root
 
 

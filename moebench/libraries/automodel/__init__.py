@@ -28,7 +28,8 @@ import os
 from moebench.libraries import pins
 from moebench.libraries.automodel import api, compat
 from moebench.libraries.automodel.releases import COMPATIBILITY
-from moebench.libraries.spec import BF16, PARITY, RESUME, Adapter, Row, Settings
+from moebench.libraries.spec import BF16, PARITY, RESUME, Adapter, Emulated, Row, Settings
+from moebench.parity.diagnosis import REDUCTION_MECHANISMS, REPLICATED, ROUTER
 
 NAME = "automodel"
 EP_MODE = "apply_ep"
@@ -58,6 +59,12 @@ class AutomodelSettings(Settings):
     """What the row patches in its ranks to build on CPU torch ("" : nothing)."""
     torch_compile: str = api.TORCH_COMPILE
     """How the library's torch.compile'd functions run in the ranks."""
+
+    def emulated(self) -> tuple[Emulated, ...]:
+        if "emulated" not in self.dense_grads:
+            return ()
+        return (Emulated(piece="Automodel's FSDP reduce of the non-expert gradients", groups=(ROUTER, REPLICATED),
+                         mechanisms=REDUCTION_MECHANISMS),)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,7 +1,8 @@
 """torchtitan: its MoE module (token-choice top-k router, grouped experts, all-to-all token dispatch) parallelized by
-torchtitan itself (0.3: `Module.parallelize(ParallelDims)`), with expert parallelism (EP), with tensor parallelism
-and no EP (TP), and both (EP+TP, sequence parallel; 4 ranks), in bf16 on both sides, judged by the noise model
-(bf16.py has what a row compares and how; api.py the release differences).
+torchtitan itself (0.3: its trainer's path, the model's parallelize function: `Module.parallelize(ParallelDims)`
+and fully_shard), with expert parallelism (EP), with tensor parallelism and no EP (TP), and both (EP+TP, sequence
+parallel; 4 ranks), in bf16 on both sides, judged by the noise model (bf16.py has what a row compares and how;
+api.py the release differences).
 
 Backends (`parallelism.spmd_backend`), every one a row: "spmd_types" (0.3's default) exchanges tokens with a list
 all_to_all of uneven sizes, which gloo refuses: its rows pad that exchange in the ranks (exchange.py, recorded in
@@ -10,7 +11,9 @@ dependencies (spmd_types, tyro, docstring_parser) are the extra `torchtitan`; tr
 is not installed: imports.py.
 
 The package's files: __init__.py the adapter (rows, what cannot run here, the releases); api.py what a row builds
-and the release differences; imports.py importing torchtitan without triton; bf16.py the rows' judgement;
+and the release differences; trainer.py 0.3's trainer path (its parallelize function, fully_shard); shell.py the
+model shape around one MoE; imports.py importing torchtitan without triton; bf16.py the rows' judgement; resume.py
+the resume rows;
 user_setup.py --torchtitan-args (a user's launch read by torchtitan's ConfigManager) and train.py its training-steps
 row (accumulation, torchtitan's clip, optimizers container and load-balancing hook).
 """
@@ -21,12 +24,19 @@ import dataclasses
 import importlib.util
 
 from moebench.libraries import pins
-from moebench.libraries.spec import BF16, RESUME, Adapter, Row, Settings
+from moebench.libraries.spec import BF16, RESUME, Adapter, Emulated, Row, Settings
 from moebench.libraries.torchtitan.releases import COMPATIBILITY
+from moebench.parity.diagnosis import EXPERTS, REDUCTION_MECHANISMS, REPLICATED, ROUTER
 
 NAME = "torchtitan"
 BACKENDS = ("spmd_types", "partial_dtensor", "full_dtensor")
 """0.3's spmd backends, the default first."""
+ONE_MESH_BACKENDS = ("spmd_types", "full_dtensor")
+"""The backends whose trainer path (FSDP over the full SPMD mesh) takes one ParallelDims per process: measured, the
+EP W/2 -> EP W resume rows' second build raises in fully_shard (partial_dtensor's meshes are its own)."""
+EMULATED_GRADS = "summed over the data-parallel ranks (torchtitan's FSDP, emulated)"
+GLOO_SUM = ("FSDP's reduce-scatter as SUM (set_force_sum_reduction_for_comms: gloo has no PREMUL_SUM, which FSDP "
+            "picks for torchtitan's divide factor 1; the same numbers)")
 V02_BACKEND = "dtensor"
 """0.2's rows: no spmd backend to choose; its ExpertParallel shards the experts as DTensors."""
 SKIPPED_BACKENDS: dict[str, str] = {}
@@ -42,7 +52,25 @@ class TorchtitanSettings(Settings):
     """The triton the row runs with: its version, or the import stand-in (imports.py)."""
     patch: str = ""
     """What the row bridges in its ranks to run on CPU ("" : nothing)."""
-    dense_grads: str = "summed over the data-parallel ranks (torchtitan's FSDP, emulated)"
+    dense_grads: str = EMULATED_GRADS
+    """Who reduces the gradients over the data-parallel ranks: torchtitan's FSDP through its trainer's parallelize
+    function (0.3), or moebench, emulating it (0.2; a train row's steps): then recorded as an emulated piece."""
+    gloo: str = ""
+    """How FSDP's reduction runs on gloo where it is applied (api.GLOO_SUM)."""
+
+    def emulated(self) -> tuple[Emulated, ...]:
+        if self.dense_grads != EMULATED_GRADS:
+            return ()
+        return (Emulated(piece="torchtitan's FSDP gradient reduction", groups=(ROUTER, EXPERTS, REPLICATED),
+                         mechanisms=REDUCTION_MECHANISMS),)
+
+
+def trainer_grads(fn_path: str, param_dtype: str = "") -> str:
+    """A 0.3 row's `dense_grads`: torchtitan's FSDP as its trainer applies it, through the model's parallelize (with
+    the training.mixed_precision_param it is given, where not the default bfloat16)."""
+    dtype = f", mixed_precision_param {param_dtype}" if param_dtype else ""
+    return (f"reduced by torchtitan's FSDP: fully_shard through {fn_path.rpartition(':')[2]}, as its trainer "
+            f"applies it{dtype}")
 
 
 TRAIN = "train"
@@ -90,6 +118,10 @@ class TorchtitanUserSettings(TorchtitanSettings):
     weight_decay: float
     steps: int = 0
     """Optimizer steps of a train row (0: the bf16 row, one forward and backward)."""
+    parallelize_fn: str = ""
+    """The "module:function" the user's model spec hands torchtitan's trainer (its FSDP applied through it)."""
+    reshard_after_forward: str = "default"
+    """parallelism.fsdp_reshard_after_forward, as the launch sets it (its FSDP's)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -148,7 +180,7 @@ class Torchtitan(Adapter):
 
 
     def rows(self, world_size: int, *, resume: bool = False, user_config=None) -> list[Row]:
-        from moebench.libraries.torchtitan import api
+        from moebench.libraries.torchtitan import api, trainer
         from moebench.libraries.torchtitan.imports import triton_kind
 
         if world_size < 2:
@@ -162,8 +194,10 @@ class Torchtitan(Adapter):
             from moebench.libraries.torchtitan.exchange import PATCH
 
             bridged = PATCH if backend == "spmd_types" and layout != "tp" else patch
+            fsdp = {} if api.generation() == "moe" else {
+                "dense_grads": trainer_grads(trainer.PARALLELIZE_FN[model]), "gloo": GLOO_SUM}
             return Row(library=NAME, model=model, backend=backend, ep_mode=layout, world_size=world_size, kind=BF16,
-                       settings=TorchtitanSettings(triton=triton, patch=bridged), features=("bf16",))
+                       settings=TorchtitanSettings(triton=triton, patch=bridged, **fsdp), features=("bf16",))
 
         if api.generation() == "moe":  # 0.2: no spmd backends; its EP step, and apply_moe_ep_tp's TP where it imports
             return [row(model, V02_BACKEND, layout) for layout in ("ep", "tp") for model in api.MODELS] + (
@@ -177,6 +211,15 @@ class Torchtitan(Adapter):
 
     def skip_reason(self, row: Row) -> str | None:
         return skip_reason(row)
+
+    def note(self) -> str | None:
+        """Where this torch's fully_shard cannot take spmd_types' parameters: those rows refuse (fsdp_refusal)."""
+        from moebench.libraries.torchtitan import api, trainer
+
+        if api.generation() != "common" or trainer.fsdp_refusal("spmd_types") is None:
+            return None
+        return (f"its spmd_types rows (its default backend) are refused on torch {trainer._torch_version()}: its "
+                f"trainer's fully_shard takes them from torch {trainer.SPMD_FSDP_TORCH} on")
 
     def repro_script(self, row: Row, seed: int) -> str | None:
         """A standalone script reproducing a resume row's restore (templates/torchtitan_resume.py); None for the
@@ -200,18 +243,22 @@ def resume_rows(world_size: int, triton: str, patch: str = "") -> list[Row]:
     """0.3: every backend at the same layout (EP over every rank), loaded under TP (no EP: DCP reshards) and, from 4
     ranks, saved under EP W/2 and loaded under EP W; 0.2: its EP step, at the same layout and loaded into the module
     with no parallelism ("none": DCP gathers the experts)."""
-    from moebench.libraries.torchtitan import api
+    from moebench.libraries.torchtitan import api, trainer
     from moebench.libraries.torchtitan.exchange import PATCH
     from moebench.libraries.torchtitan.resume import CONTINUE_STEPS, LOAD_BALANCE_COEFF, SAVE_STEPS
 
     v02 = api.generation() == "moe"
+    from moebench.libraries.torchtitan.resume import FSDP_PARAM_DTYPE
+
+    fsdp = {} if v02 else {"dense_grads": trainer_grads(trainer.PARALLELIZE_FN["sigmoid-grouped+shared"],
+                                                        FSDP_PARAM_DTYPE), "gloo": GLOO_SUM}
     rows = []
     for backend in ((V02_BACKEND,) if v02 else BACKENDS):
         for load in ("ep", "none" if v02 else "tp"):
             settings = TorchtitanResumeSettings(
                 triton=triton, patch=PATCH if backend == "spmd_types" else patch, load_ep_mode=load,
                 save_steps=SAVE_STEPS, continue_steps=CONTINUE_STEPS if load == "ep" else 0,
-                load_balance_coeff=LOAD_BALANCE_COEFF)
+                load_balance_coeff=LOAD_BALANCE_COEFF, **fsdp)
             rows.append(Row(library=NAME, model="sigmoid-grouped+shared", backend=backend, ep_mode="ep",
                             world_size=world_size, kind=RESUME, settings=settings, features=("resume",),
                             variant="resume" if load == "ep" else f"resume-to-{load}"))
@@ -219,7 +266,8 @@ def resume_rows(world_size: int, triton: str, patch: str = "") -> list[Row]:
             half = world_size // 2
             settings = TorchtitanResumeSettings(
                 triton=triton, patch=PATCH if backend == "spmd_types" else patch, load_ep_mode="ep",
-                save_steps=SAVE_STEPS, continue_steps=0, load_balance_coeff=LOAD_BALANCE_COEFF, save_ep=half)
+                save_steps=SAVE_STEPS, continue_steps=0, load_balance_coeff=LOAD_BALANCE_COEFF, save_ep=half,
+                **fsdp)
             rows.append(Row(library=NAME, model="sigmoid-grouped+shared", backend=backend, ep_mode="ep",
                             world_size=world_size, kind=RESUME, settings=settings, features=("resume",),
                             variant=f"resume-ep{half}-to-ep{world_size}"))
@@ -261,7 +309,10 @@ def user_rows(world_size: int, user: dict) -> list[Row]:
     settings = TorchtitanUserSettings(
         triton=triton_kind(), patch=PATCH if user["backend"] == "spmd_types" and ep > 1 else "",
         config=f"{user['module']}:{user['config']}", dp=dp, tp=tp, ep=ep, sp=sp, ep_user=user["ep"],
-        tp_user=user["tp"], accum=accum, **fields)
+        tp_user=user["tp"], accum=accum, parallelize_fn=user.get("parallelize_fn", ""),
+        reshard_after_forward=user.get("reshard_after_forward", "default"),
+        dense_grads=trainer_grads(user["parallelize_fn"]) if user.get("parallelize_fn") else EMULATED_GRADS,
+        gloo=GLOO_SUM if user.get("parallelize_fn") else "", **fields)
     layout = ",".join([f"ep={ep}"] * (ep > 1) + [f"tp={tp}"] * (tp > 1)) or f"dp={dp}"
     said = [f"{what} {mine} verified at {ours}, the largest that fits {world_size} ranks"
             for what, mine, ours in (("EP", user["ep"], ep), ("TP", user["tp"], tp)) if mine > ours]
@@ -269,7 +320,8 @@ def user_rows(world_size: int, user: dict) -> list[Row]:
     model = user["config"][:64]
     common = dict(library=NAME, model=model, backend=user["backend"], ep_mode=layout, world_size=world_size)
     return [Row(**common, kind=BF16, settings=settings, features=("bf16", "user"), note=note),
-            Row(**common, kind=TRAIN, settings=dataclasses.replace(settings, steps=STEPS),
+            Row(**common, kind=TRAIN, settings=dataclasses.replace(settings, steps=STEPS, dense_grads=EMULATED_GRADS,
+                                                                   gloo=""),
                 features=("bf16", "user", "clip", *(("grad-accum",) if accum > 1 else ())), variant="train",
                 note=note)]
 
@@ -304,6 +356,10 @@ def skip_reason(row: Row) -> str | None:
         return f"torchtitan {api.tt_version()} has no {row.backend} backend"
     if api.generation() == "moe" and api.load() and api.v02_lacks(row.model):
         return f"torchtitan {api.tt_version()} has no {api.v02_lacks(row.model)}"
+    if row.kind == RESUME and getattr(row.settings, "save_ep", 0) and row.backend in ONE_MESH_BACKENDS:
+        return (f"spmd_backend={row.backend}: a save under EP {row.settings.save_ep} and a load under EP "
+                f"{row.world_size} take two ParallelDims in one process, and FSDP on the full SPMD mesh refuses the "
+                "second's parameters (\"different mesh objects\"); a resumed run is a new process")
     if row.kind == RESUME and api.generation() == "moe":
         from moebench.preload import has_module
 

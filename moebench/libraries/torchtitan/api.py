@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import importlib.metadata
 
+from moebench.libraries.torchtitan.shell import one_block_model
 from moebench.preload import has_module
 
 HIDDEN = 32
@@ -39,7 +40,8 @@ near-tie in float32 can flip in bf16 on one side and not the other, which the no
 MODULES = {
     "common": ("torchtitan.models.common.moe", "torchtitan.models.common.config_utils",
                "torchtitan.models.common.moe_sharding", "torchtitan.models.common.token_dispatcher",
-               "torchtitan.distributed.parallel_dims", "torchtitan.distributed.utils", "torchtitan.tools.utils"),
+               "torchtitan.distributed.parallel_dims", "torchtitan.distributed.utils", "torchtitan.tools.utils",
+               "torchtitan.models.qwen3.parallelize", "torchtitan.models.deepseek_v3.parallelize"),
     "moe": ("torchtitan.models.moe.moe", "torchtitan.models.moe.utils", "torchtitan.models.moe.kernels",
             "torchtitan.distributed.expert_parallel", "torchtitan.tools.utils"),
 }
@@ -234,13 +236,25 @@ def _build(gen: str, model: "str | ModelSpec", enable_ep: bool, enable_sp: bool,
 def parallel_dims(backend: str, layout: str, world_size: int, degrees: tuple | None = None):
     """torchtitan's ParallelDims of a row's layout, its mesh built: "ep" (EP borrows the dp_shard axis), "tp" (no
     EP), "ep+tp" (dp_shard = W / 2, tp = 2, EP over all W ranks); `degrees` (dp_shard, tp, ep, sp): a user row's."""
+    import torch.distributed as dist
     from torchtitan.distributed import ParallelDims
 
     dp, tp, ep = (degrees or LAYOUTS[layout](world_size))[:3]
-    dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=ep, world_size=world_size,
-                        spmd_backend=backend)
-    dims.build_mesh()
-    return dims
+    key = (backend, dp, tp, ep, world_size, id(dist.group.WORLD))
+    if key not in _DIMS:  # one per layout and process group, as a trainer process builds one (see _DIMS)
+        dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=ep, world_size=world_size,
+                            spmd_backend=backend)
+        dims.build_mesh()
+        _DIMS[key] = dims
+    return _DIMS[key]
+
+
+_DIMS: dict = {}
+"""The ParallelDims built in this rank process. A trainer process builds one; after a second one with the same dense
+mesh shape, `Module.parallelize` still places parameters on the first one's SPMD mesh (measured: torch 2.15,
+torchtitan 0.3.0), and FSDP over the full SPMD mesh (spmd_types, full_dtensor) refuses them ("Expected param's
+DTensor mesh to be the same mesh passed to fully_shard"). Resume sides that share a layout share its ParallelDims;
+the --library runner starts fresh ranks for every row."""
 
 
 def parallelize(gen: str, moe, backend: str, layout: str, world_size: int, degrees: tuple | None = None):
@@ -271,25 +285,29 @@ def parallelize(gen: str, moe, backend: str, layout: str, world_size: int, degre
 
     dist_utils.set_spmd_backend(backend)
     dims = parallel_dims(backend, layout, world_size, degrees)
-    sp = (degrees or LAYOUTS[layout](world_size))[3]
     context = dist_utils.get_spmd_context(parallel_dims=dims)
     with context():
         moe.parallelize(dims)
     if backend != "full_dtensor":
         return context, dims.tp, _plain, dims
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    # What the MoE's boundary takes under full_dtensor (its in_src_shardings): this rank's tokens as a DTensor of the
-    # dense mesh, batch-sharded over data parallelism, sequence-sharded over tp under SP, else replicated over tp
-    # (`full_dtensor.parallelize_inputs` wraps a model's input ids this way, without the SP sequence shard).
-    mesh = dims.get_activated_mesh(["dp_replicate", "dp_shard", "cp", "tp"])
-    placements = [Shard(0) if axis.startswith("dp") and mesh.size(i) > 1 else Shard(1) if axis == "tp" and
-                  sp else Replicate() for i, axis in enumerate(mesh.mesh_dim_names)]
-    return context, dims.tp, lambda x: DTensor.from_local(x, mesh, placements), dims
+    return context, dims.tp, _full_dtensor_entry(dims, layout, world_size, degrees), dims
 
 
 def _plain(x):
     return x
+
+
+def _full_dtensor_entry(dims, layout: str, world_size: int, degrees: tuple | None):
+    """What the MoE's boundary takes under full_dtensor (its in_src_shardings): this rank's tokens as a DTensor of
+    the dense mesh, batch-sharded over data parallelism, sequence-sharded over tp under SP, else replicated over tp
+    (`full_dtensor.parallelize_inputs` wraps a model's input ids this way, without the SP sequence shard)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    sp = (degrees or LAYOUTS[layout](world_size))[3]
+    mesh = dims.get_activated_mesh(["dp_replicate", "dp_shard", "cp", "tp"])
+    placements = [Shard(0) if axis.startswith("dp") and mesh.size(i) > 1 else Shard(1) if axis == "tp" and
+                  sp else Replicate() for i, axis in enumerate(mesh.mesh_dim_names)]
+    return lambda x: DTensor.from_local(x, mesh, placements)
 
 
 V02_TP_MODULE = "torchtitan.models.llama4.infra.parallelize"
@@ -324,26 +342,6 @@ def import_v02_tp() -> None:
     from moebench.libraries.torchtitan.imports import import_torchtitan
 
     import_torchtitan(V02_TP_MODULE)
-
-
-def one_block_model(moe):
-    """torchtitan's model shape around one MoE (`layers` of blocks with `moe_enabled` and `.moe`): what its MoE
-    parallelization (0.2's apply_moe_ep_tp) and load balancing hook walk."""
-    import torch.nn as nn
-
-    class Block(nn.Module):
-        moe_enabled = True
-
-        def __init__(self, moe) -> None:
-            super().__init__()
-            self.moe = moe
-
-    class Model(nn.Module):
-        def __init__(self, moe) -> None:
-            super().__init__()
-            self.layers = nn.ModuleDict({"0": Block(moe)})
-
-    return Model(moe)
 
 
 def as_dtensor(moe, name: str, tensor, dims):

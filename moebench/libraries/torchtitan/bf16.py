@@ -7,20 +7,21 @@ torchtitan computes its experts in bf16 whatever the parameters' dtype (`Grouped
 written here from torchtitan's definitions (router scores, grouped top-k, route norm and scale, SwiGLU experts,
 scores applied to the experts' outputs, or to their inputs in 0.2, the shared expert). Each group (the output, the
 router's gradient, the experts', the shared expert's, the input gradient) must be at most BF16_NOISE_RATIO x as far
-from float32 as the one-process bf16 run is. Gradient convention (no FSDP: torchtitan's trainer sums over the
-data-parallel ranks, `set_gradient_divide_factor(1.0)`): each rank's loss is the sum over its tokens / the global
-token count; the replicated parameters' gradients are summed over the data-parallel ranks here; the experts' already
-hold every rank's tokens (the all-to-all's backward brings them).
+from float32 as the one-process bf16 run is. The module is parallelized as torchtitan's trainer does it (0.3:
+`trainer_path`, its model's parallelize function with fully_shard, gradient divide factor 1): each rank's loss is the
+sum over its tokens / the global token count, FSDP sums the gradients over the data-parallel ranks, and the whole
+gradients are read through its DTensors. 0.2's rows emulate that sum (their settings declare it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from typing import Any
 
 from moebench.libraries.spec import Row
-from moebench.libraries.torchtitan import api
+from moebench.libraries.torchtitan import api, trainer
 from moebench.parity import noise
 from moebench.parity.compare import assertion
 from moebench.parity.diagnosis import (
@@ -90,12 +91,21 @@ def _batch(seed: int, dp: int):
 
 
 def run(ctx, row: Row, opts) -> list:
-    """The row on this rank, with torchtitan's CPU-autocast warning (its router asks for float32 autocast, which CPU
-    autocast does not do: the gate runs in the parameters' dtype on both sides) and DTensor's hints off the console."""
+    """The row on this rank, quiet (below)."""
+    with quiet():
+        return _run(ctx, row, opts)
+
+
+@contextlib.contextmanager
+def quiet():
+    """A torchtitan row's known console noise off, in its rank: torchtitan's CPU-autocast warning (its router asks for
+    float32 autocast, which CPU autocast does not do: the gate runs in the parameters' dtype on both sides), DTensor's
+    hint (at WARNING) when it redistributes over two mesh axes one after the other (full_dtensor, FSDP's gathers), its
+    from_local hint, torch.distributed's deprecations, and FSDP's warning that a module returned a view (no row writes
+    to an output in place)."""
     import logging
     import warnings
 
-    # DTensor logs a hint (at WARNING) when it redistributes over two mesh axes one after the other (full_dtensor)
     redistribute = logging.getLogger("torch.distributed.tensor._redistribute")
     level = redistribute.level
     redistribute.setLevel(logging.ERROR)
@@ -103,7 +113,9 @@ def run(ctx, row: Row, opts) -> list:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="In CPU autocast")
             warnings.filterwarnings("ignore", message=".*torch.distributed.*deprecated")
-            return _run(ctx, row, opts)
+            warnings.filterwarnings("ignore", message="To construct DTensor from torch.Tensor")
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
+            yield
     finally:
         redistribute.setLevel(level)
 
@@ -116,7 +128,7 @@ def _run(ctx, row: Row, opts) -> list:
     from moebench.parity.layout import ExpertLayout
 
     gen = setup_rank(row)
-    r, w, layout = ctx.rank, ctx.world_size, row.ep_mode
+    r, w = ctx.rank, ctx.world_size
     spec = api.spec_of(row)
     dp_n, tp_n, ep_n, sp = api.degrees(row)
     torch.manual_seed(opts.seed)
@@ -128,7 +140,7 @@ def _run(ctx, row: Row, opts) -> list:
         y_fp32_params = moe(_batch(opts.seed, 1)[0]).float()
     base = copy.deepcopy(moe).to(torch.bfloat16)  # the same module on this process alone
     moe = moe.to(torch.bfloat16)
-    context, tp, enter, dims = api.parallelize(gen, moe, row.backend, layout, w, (dp_n, tp_n, ep_n, sp))
+    context, tp, enter, dims, call, fsdp = parallelize_row(gen, moe, row, w, (dp_n, tp_n, ep_n, sp))
     dp = w // tp
     d, t = divmod(r, tp)  # the mesh is [dp_shard, tp], row-major
     dp_group, tp_group, efsdp_group = layout_groups(w, tp, ep_n, r)
@@ -152,7 +164,7 @@ def _run(ctx, row: Row, opts) -> list:
 
     y_base, gx_base = forward_backward(base, x_all, t_all)
     with context():
-        y_run, gx_run = forward_backward(moe, x_all[mine], t_all[mine], enter)
+        y_run, gx_run = forward_backward(call, x_all[mine], t_all[mine], enter)
 
     out, missing = [], []
     base_params, run_params = dict(base.named_parameters()), dict(moe.named_parameters())
@@ -165,16 +177,16 @@ def _run(ctx, row: Row, opts) -> list:
         base_sums[group] += noise.sums([(base_params[name].grad, truth)])
         if group == EXPERTS:
             missing += _experts_held(name, api.as_dtensor(moe, name, p, dims), base_params[name], ExpertLayout,
-                                     spec.num_experts)
+                                     spec.num_experts, fsdp, ep_n)
         grad = api.as_dtensor(moe, name, p.grad, dims)
         grad = grad.full_tensor() if isinstance(grad, DTensor) else grad
         if grad is None:
             missing.append(f"{name} (no gradient)")
             grad = torch.zeros_like(truth)
-        # what torchtitan's FSDP sums (a spmd_types gradient is this rank's plain local share: not summed yet): the
-        # dense parameters over the data-parallel ranks, the experts over the expert-data-parallel ones (efsdp)
+        # without torchtitan's FSDP (0.2), what it would sum: the dense parameters over the data-parallel ranks, the
+        # experts over the expert-data-parallel ones (efsdp); a spmd_types gradient is this rank's plain local share
         reduce_over = (efsdp_group if ep_n > 1 else dp_group) if group == EXPERTS else dp_group
-        if reduce_over is not None and not covers_dp(p.grad):
+        if not fsdp and reduce_over is not None and not covers_dp(p.grad):
             grad = grad.float().clone()
             dist.all_reduce(grad, group=reduce_over)
         run_sums[group] += noise.sums([(grad, truth)], 1 / w)
@@ -208,6 +220,45 @@ def _run(ctx, row: Row, opts) -> list:
         out.append(judged)
     out.append(noise.judge("step 1", "input grad", io[1], noise.sums([(gx_base, gx_truth)]), rank=r, group=INPUT_GRAD))
     return out
+
+
+def parallelize_row(gen: str, moe, row, w: int, degrees: tuple):
+    """trainer_path for a bf16 or train row: its layout, its model's parallelize function."""
+    return trainer_path(gen, moe, row.backend, row.ep_mode, w, degrees, parallelize_fn(row),
+                        reshard_after_forward=getattr(row.settings, "reshard_after_forward", "default"))
+
+
+def trainer_path(gen: str, moe, backend: str, layout: str, w: int, degrees: tuple | None, fn_path: str,
+                 param_dtype: str = "bfloat16", dims=None, reshard_after_forward: str = "default"):
+    """(context, TP degree, input entry, ParallelDims, the model to call, whether torchtitan's FSDP reduces the
+    gradients): 0.3 through its trainer's parallelize function with fully_shard (trainer.trainer_parallelize; a torch
+    whose fully_shard refuses the backend's parameters: the row is refused with FSDP's own words); 0.2 through
+    api.parallelize, its FSDP not applied (the rows' `dense_grads` say so, and emulate its reduction)."""
+    if gen != "common":
+        context, tp, enter, dims = api.parallelize(gen, moe, backend, layout, w, degrees)
+        return context, tp, enter, dims, api.one_block_model(moe), False
+    try:
+        context, tp, enter, dims, shell = trainer.trainer_parallelize(moe, backend, layout, w, degrees, fn_path,
+                                                                  reshard_after_forward, param_dtype, dims)
+    except ValueError as exc:
+        why = trainer.fsdp_refusal(backend)
+        if why is None or "DTensors on the full SPMD mesh" not in str(exc):
+            raise
+        import torch.distributed as dist
+
+        from moebench.parity.registry import Refused
+
+        # every rank refuses at the same parameter, but not at the same instant: rank 0 (the store's host) leaving
+        # while another still builds FSDP's process groups through the store would break that rank's pipe
+        dist.barrier()
+
+        raise Refused(f"torchtitan {api.tt_version()}'s trainer path: {why}") from None
+    return context, tp, enter, dims, shell, True
+
+
+def parallelize_fn(row) -> str:
+    """The "module:function" of the parallelize function torchtitan's trainer calls for the row's model."""
+    return getattr(row.settings, "parallelize_fn", "") or trainer.PARALLELIZE_FN[row.model]
 
 
 def setup_rank(row) -> str:
@@ -264,12 +315,23 @@ def _groups(member_lists: list[list[int]], mine: int):
     return made[mine]
 
 
-def _experts_held(name: str, p, base_p, layout_cls, experts: int = api.NUM_EXPERTS) -> list[str]:
+def _experts_held(name: str, p, base_p, layout_cls, experts: int = api.NUM_EXPERTS, fsdp: bool = False,
+                  ep: int = 1) -> list[str]:
     """What is wrong with the experts this rank holds: under EP each local slot must be the global expert the layout
-    names (contiguous over the ep mesh), with the one-process module's bf16 weights."""
+    names (contiguous over the ep mesh), with the one-process module's bf16 weights; under FSDP (its shard over
+    EP's), the parameter's global view must be the one-process module's, expert by expert, and with EP asked
+    (`ep` > 1) its experts sharded over an "ep" mesh axis."""
     import torch
     from torch.distributed.tensor import DTensor, Shard
 
+    if fsdp and isinstance(p, DTensor):  # FSDP's shard over EP's: the global view, expert by expert
+        whole = p.full_tensor().detach()
+        wrong = [f"{name}[expert {e}]" for e in range(whole.shape[0]) if not torch.equal(whole[e], base_p.detach()[e])]
+        names = list(p.device_mesh.mesh_dim_names or ())
+        if ep > 1 and ("ep" not in names or type(p.placements[names.index("ep")]) is not Shard
+                       or p.placements[names.index("ep")].dim != 0):  # FSDP alone would be right, but not EP
+            wrong.append(f"{name} (not sharded over the experts on an ep mesh axis: {names} {list(p.placements)})")
+        return wrong
     dims = [i for i, pl in enumerate(p.placements) if isinstance(pl, Shard) and pl.dim == 0] if isinstance(
         p, DTensor) else []
     if not dims:

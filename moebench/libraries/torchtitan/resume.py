@@ -15,7 +15,8 @@ DCP, as its trainer calls them (`checkpointer.save(step)`, `checkpointer.load(st
    (moebench.parity.restore): a slot holding another expert's state is named slot by slot.
 4. Same layout: B trains on CONTINUE_STEPS steps on the same batches, bit for bit with A at every step.
 Gradient convention as the bf16 rows (bf16.py): a rank's loss is the sum over its tokens / the global token count;
-the dense parameters' gradients summed over the data-parallel ranks (torchtitan's FSDP, emulated).
+0.3's sides are parallelized through its trainer's parallelize function (fully_shard, FSDP_PARAM_DTYPE), whose FSDP
+sums the gradients; 0.2's sum them here (its FSDP, emulated: declared in the rows' settings).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from moebench.libraries.spec import Row
-from moebench.libraries.torchtitan import api
+from moebench.libraries.torchtitan import api, trainer
 
 SAVE_STEPS = 2
 CONTINUE_STEPS = 2
@@ -35,6 +36,8 @@ BASELINE_AGREES = 0.1
 """torchtitan's module on one process (its grouped experts in bf16) must be within this relative L2 distance of the
 float32 mathematics, per gradient group, or the noise model's baseline shares what is wrong: measured 0.0027-0.018
 (seeds 0-4, W = 2 and 4); a gradient missing, detached or halved is 0.5-1 away."""
+FSDP_PARAM_DTYPE = "float32"
+"""training.mixed_precision_param of the resume rows' FSDP (0.3): float32 compute, as a launch may set it."""
 BIAS = "expert_bias_E"
 """The expert bias of 0.3's MoE (0.2's: `expert_bias`)."""
 
@@ -53,11 +56,13 @@ def _model(moe):
     return api.one_block_model(moe)
 
 
-def _make(gen: str, row: Row, layout: str, seed: int, world: int, ep: int = 0):
+def _make(gen: str, row: Row, layout: str, seed: int, world: int, ep: int = 0, dims=None):
     """(model, moe, optimizers, forward context, input entry, ParallelDims) of one side. 0.3: its Module protocol,
     `OptimizersContainer` and `register_moe_load_balancing_hook`; 0.2: its EP step (api.parallelize), or no
     parallelism at all (layout "none": the whole module on every rank), `build_optimizers_with_moe_load_balancing`.
-    `ep` (0.3, layout "ep"): an EP degree below the world size, the experts then kept over efsdp = W / ep ranks."""
+    `ep` (0.3, layout "ep"): an EP degree below the world size, the experts then kept over efsdp = W / ep ranks;
+    `dims`: the other side's ParallelDims where the layout is the same (one trainer process builds one: FSDP
+    refuses a parameter whose mesh is another build's)."""
     import contextlib
 
     import torch
@@ -66,11 +71,16 @@ def _make(gen: str, row: Row, layout: str, seed: int, world: int, ep: int = 0):
     moe = api.build(gen, row.model, enable_ep=layout not in ("tp", "none"), enable_sp=layout == "ep+tp",
                     load_balance_coeff=LOAD_BALANCE_COEFF)
     if layout == "none":
-        context, enter, dims = contextlib.nullcontext, (lambda x: x), None
+        context, enter, dims, model = contextlib.nullcontext, (lambda x: x), None, _model(moe)
     else:
+        from moebench.libraries.torchtitan.bf16 import trainer_path
+
         degrees = (world, 1, ep, False) if ep and ep != world else None  # (dp_shard, tp, ep, sequence parallel)
-        context, _, enter, dims = api.parallelize(gen, moe, row.backend, layout, world, degrees)
-    model = _model(moe)
+        # 0.3: its trainer's FSDP in float32 (training.mixed_precision_param): the restore and the continuation are
+        # compared bit for bit, the uninterrupted steps against one process in float32
+        fn = trainer.PARALLELIZE_FN[row.model]
+        context, _, enter, dims, model, _ = trainer_path(gen, moe, row.backend, layout, world, degrees, fn,
+                                                         param_dtype=FSDP_PARAM_DTYPE, dims=dims)
     if gen == "moe":
         from torchtitan.components.optimizer import build_optimizers_with_moe_load_balancing
         from torchtitan.config.job_config import Optimizer
@@ -134,13 +144,13 @@ def _train(side, step: int, seed: int, rank: int, world: int, grads: dict | None
     mine = slice(rank * api.SEQS_PER_DP_RANK, (rank + 1) * api.SEQS_PER_DP_RANK)
     tokens = x_all.shape[0] * x_all.shape[1]
     with context():
-        y = moe(enter(x_all[mine].clone()))
+        y = model(enter(x_all[mine].clone()))  # the root's forward: FSDP's hooks gather and reduce (0.3)
         y = y.to_local() if isinstance(y, DTensor) else y
         ((y.float() * t_all[mine]).sum() / tokens).backward()
     ep = dims.ep if dims is not None else world
     efsdp = layout_groups(world, 1, ep, rank)[2] if ep < world else None  # the ranks holding the same experts
-    for name, p in moe.named_parameters():  # what torchtitan's FSDP sums over the (expert-)data-parallel ranks
-        if p.grad is None or covers_dp(p.grad):
+    for name, p in moe.named_parameters():  # without torchtitan's FSDP (0.2): what it sums, emulated
+        if p.grad is None or covers_dp(p.grad) or fsdp_applied(model):
             continue
         if not is_expert(gen, name):
             dist.all_reduce(p.grad)
@@ -151,6 +161,13 @@ def _train(side, step: int, seed: int, rank: int, world: int, grads: dict | None
                       if p.grad is not None})
     optimizers.step()
     optimizers.zero_grad()
+
+
+def fsdp_applied(model) -> bool:
+    """Whether torchtitan's trainer path wrapped `model` in FSDP (its gradients reduced by FSDP's hooks)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
 
 
 def _whole(moe, name: str, t, dims):
@@ -227,13 +244,10 @@ def _biases_agree(side, rank: int, tag: str):
 
 
 def run(ctx, row: Row, opts) -> list:
-    """The row on this rank (warnings as the bf16 rows keep them off the console)."""
-    import warnings
+    """The row on this rank, quiet as the bf16 rows (bf16.quiet)."""
+    from moebench.libraries.torchtitan.bf16 import quiet
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="In CPU autocast")
-        warnings.filterwarnings("ignore", message=".*torch.distributed.*deprecated")
-        warnings.filterwarnings("ignore", message="To construct DTensor from torch.Tensor")
+    with quiet():
         return _run(ctx, row, opts)
 
 
@@ -267,7 +281,8 @@ def _run(ctx, row: Row, opts) -> list:
     with shared_dir("torchtitan-resume") as folder:
         _checkpointer(gen, str(folder), a[0], a[2]).save(curr_step=SAVE_STEPS)
         torch.distributed.barrier()
-        b = _make(gen, row, s.load_ep_mode, opts.seed + FRESH_SEED_OFFSET, w)
+        same = s.load_ep_mode == "ep" and save_ep == w
+        b = _make(gen, row, s.load_ep_mode, opts.seed + FRESH_SEED_OFFSET, w, dims=a[5] if same else None)
         fresh = _state(b)
         from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: every rank's errors
 

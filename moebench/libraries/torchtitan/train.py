@@ -7,7 +7,8 @@ Each step, as `Trainer.train_step` does it (torchtitan 0.3, trainer.py):
    rank's tokens / the global token count of the whole step (every micro-batch of every data-parallel rank: the
    trainer's `global_valid_tokens`), times the row's loss multiplier (below);
 2. the dense parameters' gradients summed over the data-parallel ranks and the experts' over the
-   expert-data-parallel ones (what torchtitan's FSDP does with its divide factor 1; emulated, as the bf16 rows do);
+   expert-data-parallel ones (what torchtitan's FSDP does with its divide factor 1; emulated, and declared so in
+   the row's settings; the bf16 rows apply torchtitan's own);
 3. torchtitan's own `clip_grad_norm_` (torchtitan.distributed.utils) with the user's max_norm and `ep_enabled`, over
    the parameters as FSDP presents them to it: DTensors (a spmd_types state read as the DTensor its layout says,
    through torchtitan's `plain_tensor_to_dtensor_state_dict`; a dense parameter that no model-parallel axis shards
@@ -41,7 +42,7 @@ from __future__ import annotations
 import copy
 
 from moebench.libraries.spec import Row
-from moebench.libraries.torchtitan import api
+from moebench.libraries.torchtitan import api, trainer
 from moebench.libraries.torchtitan.bf16 import (
     GROUP_OF,
     WORDS,
@@ -76,21 +77,11 @@ STEP_SEED = 7717
 
 
 def run(ctx, row: Row, opts) -> list:
-    """The row on this rank, with torchtitan's CPU-autocast warning and DTensor's hints off the console."""
-    import logging
-    import warnings
+    """The row on this rank, quiet as the bf16 rows (bf16.quiet)."""
+    from moebench.libraries.torchtitan.bf16 import quiet
 
-    redistribute = logging.getLogger("torch.distributed.tensor._redistribute")
-    level = redistribute.level
-    redistribute.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="In CPU autocast")
-            warnings.filterwarnings("ignore", message=".*torch.distributed.*deprecated")
-            warnings.filterwarnings("ignore", message="To construct DTensor from torch.Tensor")
-            return _run(ctx, row, opts)
-    finally:
-        redistribute.setLevel(level)
+    with quiet():
+        return _run(ctx, row, opts)
 
 
 class OneProcessDims:
@@ -206,6 +197,7 @@ def _run(ctx, row: Row, opts) -> list:
     from moebench.parity.diagnosis import EXPERTS, REPLICATED, ROUTER
 
     gen = setup_rank(row)
+    refuse_where_the_trainer_cannot_run(gen, row.backend)
     s, r, w = row.settings, ctx.rank, ctx.world_size
     spec = api.spec_of(row)
     dp_n, tp_n, ep_n, sp = api.degrees(row)
@@ -367,6 +359,20 @@ def _run(ctx, row: Row, opts) -> list:
                              "state that changes)", moved, rank=r, group=ROUTER,
                              note="" if moved else "it is still all zeros"))
     return out
+
+
+def refuse_where_the_trainer_cannot_run(gen: str, backend: str) -> None:
+    """A train row emulates its trainer's FSDP; where that trainer cannot run the backend at all (spmd_types on a
+    torch whose fully_shard refuses its parameters), the row is refused as the bf16 row is, never run without it."""
+    why = trainer.fsdp_refusal(backend) if gen == "common" else None
+    if why is None:
+        return
+    import torch.distributed as dist
+
+    from moebench.parity.registry import Refused
+
+    dist.barrier()  # every rank here before any leaves (rank 0 hosts the store)
+    raise Refused(f"torchtitan {api.tt_version()}'s trainer path: {why}")
 
 
 def _role(roles: dict[str, str], name: str) -> str:

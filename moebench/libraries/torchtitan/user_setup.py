@@ -336,7 +336,14 @@ def _settings(config, moe, version: str, module: str, name: str, notes: list[str
         "mp_param": training.mixed_precision_param, **optimizer,
         "dispatcher": type(moe.routed_experts.token_dispatcher).__qualname__,
         "comm_backend": _comm_backend(moe),
+        "parallelize_fn": _function_path(config.model_spec.parallelize_fn),
+        "reshard_after_forward": str(par.fsdp_reshard_after_forward),
     }
+
+
+def _function_path(fn) -> str:
+    """"module:function" of the parallelize function the user's model spec hands torchtitan's trainer."""
+    return f"{fn.__module__}:{fn.__qualname__}" if callable(fn) else ""
 
 
 def _comm_backend(moe) -> str:

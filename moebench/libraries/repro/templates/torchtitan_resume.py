@@ -1,6 +1,7 @@
-"""Reproduce a torchtitan resume row (named above): its MoE parallelized by torchtitan's own Module protocol, trained
-through its OptimizersContainer (with its load-balancing hook), saved and loaded by its own CheckpointManager over DCP,
-then every expert slot of every rank compared with every global expert's state at the save.
+"""Reproduce a torchtitan resume row (named above): its MoE parallelized as its trainer does it (DeepSeek-V3's own
+parallelize function: Module.parallelize, then fully_shard), trained through its OptimizersContainer (with its
+load-balancing hook), saved and loaded by its own CheckpointManager over DCP, then every expert slot of every rank
+compared with every global expert's state at the save.
 
 Standalone (stdlib, torch, torchtitan and spmd_types; triton where installed, else an import stand-in). Exit 1: a slot
 holds another expert's (or no expert's) state; 0: every slot restored bit for bit; 2: a setup error, a refused load
@@ -18,7 +19,7 @@ MODULES = ("torchtitan.models.common.moe", "torchtitan.models.common.config_util
            "torchtitan.models.common.moe_sharding", "torchtitan.models.common.token_dispatcher",
            "torchtitan.distributed.parallel_dims", "torchtitan.distributed.utils", "torchtitan.tools.utils",
            "torchtitan.components.checkpoint", "torchtitan.components.optimizer.optimizer",
-           "torchtitan.distributed.spmd_types")
+           "torchtitan.distributed.spmd_types", "torchtitan.models.deepseek_v3.parallelize")
 CPU_MODULES = ("torchtitan.tools.utils", "torchtitan.distributed.parallel_dims", "torchtitan.distributed.utils",
                "torchtitan.models.common.token_dispatcher")
 
@@ -28,6 +29,9 @@ CPU_MODULES = ("torchtitan.tools.utils", "torchtitan.distributed.parallel_dims",
 # @TTEXCHANGE@ (moebench/libraries/torchtitan/exchange.py: spmd_types' uneven all_to_all padded for gloo)
 
 # @RESTORE@ (moebench/parity/restore.py: which expert's state each slot holds)
+
+
+DIMS = {}
 
 
 def build(layout, seed):
@@ -76,12 +80,11 @@ def build(layout, seed):
     world = S["world"]
     dp, tp, ep = (world, 1, world) if layout == "ep" else (1, world, 1)
     dist_utils.set_spmd_backend(S["backend"])
-    dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=ep, world_size=world,
-                        spmd_backend=S["backend"])
-    dims.build_mesh()
-    context = dist_utils.get_spmd_context(parallel_dims=dims)
-    with context():
-        moe.parallelize(dims)
+    if layout not in DIMS:  # one ParallelDims per layout, as a trainer process has one (FSDP checks the mesh)
+        DIMS[layout] = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=ep, world_size=world,
+                                    spmd_backend=S["backend"])
+        DIMS[layout].build_mesh()
+    dims = DIMS[layout]
 
     class Block(torch.nn.Module):
         moe_enabled = True
@@ -90,12 +93,38 @@ def build(layout, seed):
             super().__init__()
             self.moe = moe
 
-    class Model(torch.nn.Module):
+        def forward(self, x):
+            return self.moe(x)
+
+    class Model(torch.nn.Module):  # torchtitan's Decoder as its parallelize function reads it, one MoE block
+        enable_weight_tying = False
+        tok_embeddings = norm = lm_head = mtp_layers = None
+
         def __init__(self):
             super().__init__()
             self.layers = torch.nn.ModuleDict({"0": Block()})
 
+        def parallelize(self, parallel_dims):
+            moe.parallelize(parallel_dims)
+
+        def forward(self, x):
+            return self.layers["0"](x)
+
+    import tempfile
+
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
+
     model = Model()
+    with tempfile.TemporaryDirectory() as dump:  # as Trainer.__init__ calls it (no AC, no compile)
+        parallelize_deepseekv3(model, parallel_dims=dims, training=TrainingConfig(mixed_precision_param="float32"),
+                               parallelism=ParallelismConfig(spmd_backend=S["backend"]),
+                               compile_config=CompileConfig(), ac_config=None, dump_folder=dump)
+    for module in model.modules():  # gloo has no PREMUL_SUM (FSDP's pick for divide factor 1): SUM, the same numbers
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+    context = dist_utils.get_spmd_context(parallel_dims=dims)
     config = OptimizersContainer.Config(param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="Adam",
                                                                        optimizer_kwargs={"lr": S["lr"]})],
                                         implementation="for-loop")
@@ -115,7 +144,6 @@ def checkpointer(folder, model, opt):
 
 def train(side, step, rank):
     import torch
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     model, moe, opt, dims, context = side
@@ -125,12 +153,9 @@ def train(side, step, rank):
     t = torch.randn(world * seqs, seq_len, S["hidden"], generator=g)
     mine = slice(rank * seqs, (rank + 1) * seqs)
     with context():
-        y = moe(x[mine].clone())
+        y = model(x[mine].clone())  # FSDP's hooks gather the parameters and reduce the gradients
         y = y.to_local() if isinstance(y, DTensor) else y
         ((y.float() * t[mine]).sum() / (x.shape[0] * x.shape[1])).backward()
-    for name, p in moe.named_parameters():  # the dense gradients summed over the data-parallel ranks (FSDP's)
-        if "inner_experts" not in name and p.grad is not None and not isinstance(p.grad, DTensor):
-            dist.all_reduce(p.grad)
     opt.step()
     opt.zero_grad()
 
@@ -162,12 +187,14 @@ def state(side):
 
 def rank_main(rank, store_path, folder, deadline, queue):
     try:
+        import logging
         import warnings
 
         import torch
         import torch.distributed as dist
 
         warnings.filterwarnings("ignore", message="To construct DTensor from torch.Tensor")
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
         rank_group(rank, S["world"], store_path, deadline)  # noqa: F821 - pasted above (RESUMEDRIVER)
         import_torchtitan(*MODULES)  # noqa: F821 - pasted above (TTIMPORTS)
         import importlib
@@ -180,6 +207,7 @@ def rank_main(rank, store_path, folder, deadline, queue):
                 module.device_module = torch.cpu
         if S["backend"] == "spmd_types":
             bridge()  # noqa: F821 - pasted above (TTEXCHANGE)
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # FSDP's gather hints
         a = build("ep", S["seed"])
         for step in range(S["save_steps"]):
             train(a, step, rank)
