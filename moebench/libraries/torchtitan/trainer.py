@@ -17,6 +17,9 @@ PARALLELIZE_FN = {"softmax-top2": "torchtitan.models.qwen3.parallelize:paralleli
 """The model whose trainer path a default row takes: torchtitan's parallelize function of its Qwen3 (softmax router)
 and of its DeepSeek-V3 (sigmoid, grouped, shared expert); a user row's is its --module's (user_setup.py)."""
 SPMD_FSDP_TORCH = "2.14"
+"""The first torch whose fully_shard takes spmd_types' annotated plain parameters."""
+
+
 def fsdp_refusal(backend: str) -> str | None:
     """Why torchtitan's trainer cannot apply its FSDP to a `backend` module on the installed torch (None: it can).
     spmd_types leaves plain tensors that FSDP2 turns into DTensors of the full SPMD mesh from torch 2.14 on
@@ -51,7 +54,7 @@ def _torch_version() -> str:
 
 def trainer_parallelize(moe, backend: str, layout: str, world_size: int, degrees: tuple | None, fn_path: str,
                         reshard_after_forward: str = "default", param_dtype: str = "bfloat16", dims=None):
-    """0.3's trainer path: `moe` inside torchtitan's decoder shape (DecoderShell), handed to the model's own
+    """0.3's trainer path: `moe` inside torchtitan's decoder shape (shell.py), handed to the model's own
     parallelize function as `Trainer.__init__` calls it (outside the spmd context; no activation checkpointing, no
     compile): `Module.parallelize(ParallelDims)`, then `apply_fsdp_to_decoder` (fully_shard on the block and the
     root, the meshes from `resolve_fsdp_mesh` / `resolve_sparse_fsdp_mesh` or the dp / efsdp meshes, its
