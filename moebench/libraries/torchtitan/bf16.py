@@ -229,7 +229,7 @@ def parallelize_row(gen: str, moe, row, w: int, degrees: tuple):
 
 
 def trainer_path(gen: str, moe, backend: str, layout: str, w: int, degrees: tuple | None, fn_path: str,
-                 param_dtype: str = "bfloat16", dims=None, reshard_after_forward: str = "default"):
+                 param_dtype: str = "bfloat16", reshard_after_forward: str = "default"):
     """(context, TP degree, input entry, ParallelDims, the model to call, whether torchtitan's FSDP reduces the
     gradients): 0.3 through its trainer's parallelize function with fully_shard (trainer.trainer_parallelize; a torch
     whose fully_shard refuses the backend's parameters: the row is refused with FSDP's own words); 0.2 through
@@ -239,20 +239,12 @@ def trainer_path(gen: str, moe, backend: str, layout: str, w: int, degrees: tupl
         return context, tp, enter, dims, api.one_block_model(moe), False
     try:
         context, tp, enter, dims, shell = trainer.trainer_parallelize(moe, backend, layout, w, degrees, fn_path,
-                                                                  reshard_after_forward, param_dtype, dims)
+                                                                  reshard_after_forward, param_dtype)
     except ValueError as exc:
         why = trainer.fsdp_refusal(backend)
         if why is None or "DTensors on the full SPMD mesh" not in str(exc):
             raise
-        import torch.distributed as dist
-
-        from moebench.parity.registry import Refused
-
-        # every rank refuses at the same parameter, but not at the same instant: rank 0 (the store's host) leaving
-        # while another still builds FSDP's process groups through the store would break that rank's pipe
-        dist.barrier()
-
-        raise Refused(f"torchtitan {api.tt_version()}'s trainer path: {why}") from None
+        trainer.refuse(why)
     return context, tp, enter, dims, shell, True
 
 

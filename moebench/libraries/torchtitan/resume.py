@@ -56,13 +56,12 @@ def _model(moe):
     return api.one_block_model(moe)
 
 
-def _make(gen: str, row: Row, layout: str, seed: int, world: int, ep: int = 0, dims=None):
+def _make(gen: str, row: Row, layout: str, seed: int, world: int, ep: int = 0):
     """(model, moe, optimizers, forward context, input entry, ParallelDims) of one side. 0.3: its Module protocol,
     `OptimizersContainer` and `register_moe_load_balancing_hook`; 0.2: its EP step (api.parallelize), or no
     parallelism at all (layout "none": the whole module on every rank), `build_optimizers_with_moe_load_balancing`.
-    `ep` (0.3, layout "ep"): an EP degree below the world size, the experts then kept over efsdp = W / ep ranks;
-    `dims`: the other side's ParallelDims where the layout is the same (one trainer process builds one: FSDP
-    refuses a parameter whose mesh is another build's)."""
+    `ep` (0.3, layout "ep"): an EP degree below the world size, the experts then kept over efsdp = W / ep ranks.
+    Two sides of one layout share its ParallelDims (api.parallel_dims: one per layout and process)."""
     import contextlib
 
     import torch
@@ -80,7 +79,7 @@ def _make(gen: str, row: Row, layout: str, seed: int, world: int, ep: int = 0, d
         # compared bit for bit, the uninterrupted steps against one process in float32
         fn = trainer.PARALLELIZE_FN[row.model]
         context, _, enter, dims, model, _ = trainer_path(gen, moe, row.backend, layout, world, degrees, fn,
-                                                         param_dtype=FSDP_PARAM_DTYPE, dims=dims)
+                                                         param_dtype=FSDP_PARAM_DTYPE)
     if gen == "moe":
         from torchtitan.components.optimizer import build_optimizers_with_moe_load_balancing
         from torchtitan.config.job_config import Optimizer
@@ -281,8 +280,7 @@ def _run(ctx, row: Row, opts) -> list:
     with shared_dir("torchtitan-resume") as folder:
         _checkpointer(gen, str(folder), a[0], a[2]).save(curr_step=SAVE_STEPS)
         torch.distributed.barrier()
-        same = s.load_ep_mode == "ep" and save_ep == w
-        b = _make(gen, row, s.load_ep_mode, opts.seed + FRESH_SEED_OFFSET, w, dims=a[5] if same else None)
+        b = _make(gen, row, s.load_ep_mode, opts.seed + FRESH_SEED_OFFSET, w)
         fresh = _state(b)
         from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: every rank's errors
 

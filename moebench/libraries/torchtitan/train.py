@@ -365,14 +365,8 @@ def refuse_where_the_trainer_cannot_run(gen: str, backend: str) -> None:
     """A train row emulates its trainer's FSDP; where that trainer cannot run the backend at all (spmd_types on a
     torch whose fully_shard refuses its parameters), the row is refused as the bf16 row is, never run without it."""
     why = trainer.fsdp_refusal(backend) if gen == "common" else None
-    if why is None:
-        return
-    import torch.distributed as dist
-
-    from moebench.parity.registry import Refused
-
-    dist.barrier()  # every rank here before any leaves (rank 0 hosts the store)
-    raise Refused(f"torchtitan {api.tt_version()}'s trainer path: {why}")
+    if why is not None:
+        trainer.refuse(why)
 
 
 def _role(roles: dict[str, str], name: str) -> str:

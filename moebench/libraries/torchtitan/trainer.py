@@ -45,6 +45,18 @@ def _fsdp_takes_spmd_types() -> bool:
     return source.is_file() and "def _resolve_spmd_types_for_storage" in source.read_text(errors="replace")
 
 
+def refuse(why: str):
+    """Raise the row's refusal on every rank: each refuses at the same point, but not at the same instant, and rank 0
+    (the store's host) leaving while another still builds FSDP's process groups through the store would break that
+    rank's pipe, so every rank meets at a barrier first."""
+    import torch.distributed as dist
+
+    from moebench.parity.registry import Refused
+
+    dist.barrier()
+    raise Refused(f"torchtitan {api.tt_version()}'s trainer path: {why}")
+
+
 def _torch_version() -> str:
     try:
         return importlib.metadata.version("torch")
@@ -53,13 +65,13 @@ def _torch_version() -> str:
 
 
 def trainer_parallelize(moe, backend: str, layout: str, world_size: int, degrees: tuple | None, fn_path: str,
-                        reshard_after_forward: str = "default", param_dtype: str = "bfloat16", dims=None):
+                        reshard_after_forward: str = "default", param_dtype: str = "bfloat16"):
     """0.3's trainer path: `moe` inside torchtitan's decoder shape (shell.py), handed to the model's own
     parallelize function as `Trainer.__init__` calls it (outside the spmd context; no activation checkpointing, no
     compile): `Module.parallelize(ParallelDims)`, then `apply_fsdp_to_decoder` (fully_shard on the block and the
     root, the meshes from `resolve_fsdp_mesh` / `resolve_sparse_fsdp_mesh` or the dp / efsdp meshes, its
-    gradient divide factor 1; `param_dtype`: training.mixed_precision_param, FSDP's compute dtype; `dims`: a
-    ParallelDims of this layout already built in this process, as a trainer has one). Returns (the forward context,
+    gradient divide factor 1; `param_dtype`: training.mixed_precision_param, FSDP's compute dtype; the layout's
+    ParallelDims is the one this process built for it, api.parallel_dims). Returns (the forward context,
     the TP degree, the input entry, ParallelDims, the shell: call the shell, whose FSDP hooks gather the parameters
     and reduce the gradients)."""
     import importlib
@@ -69,7 +81,7 @@ def trainer_parallelize(moe, backend: str, layout: str, world_size: int, degrees
     from torchtitan.distributed import utils as dist_utils
 
     dist_utils.set_spmd_backend(backend)
-    dims = dims or api.parallel_dims(backend, layout, world_size, degrees)
+    dims = api.parallel_dims(backend, layout, world_size, degrees)
     shell = api.one_block_model(moe)
     module, _, name = fn_path.partition(":")
     fn = getattr(importlib.import_module(module), name)
